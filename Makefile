@@ -1,0 +1,75 @@
+# relayrl — `make help` lists the targets.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# This machine's pip config lists index folders that do not exist; drop pip's warning per package.
+PIP := $(BIN)/python -m pip
+QUIET_PIP := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+# Written last by `setup`; make compares its time with the files that define the environment.
+SETUP_STAMP := $(VENV)/.relayrl-setup
+PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
+PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
+
+.PHONY: help setup protos test test-unit test-integration lint bench bench-tq run lock clean
+
+help: ## list the targets with one line each
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
+
+setup: $(SETUP_STAMP) $(PROTO_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
+
+$(SETUP_STAMP): requirements/lock.txt pyproject.toml
+	@command -v redis-server >/dev/null || { \
+	  echo "setup: installing Debian redis-server"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip==26.3 $(QUIET_PIP)
+	@# torch first, alone: pip takes the CPU wheel from local disk, never a CUDA build.
+	$(PIP) install -q "$$(grep '^torch==' requirements/lock.txt)" $(QUIET_PIP)
+	$(PIP) install -q --no-deps -r requirements/lock.txt $(QUIET_PIP)
+	$(PIP) install -q --no-deps --no-build-isolation -e . $(QUIET_PIP)
+	@touch $@
+
+$(PROTO_STAMP): $(PROTO_SOURCES) $(SETUP_STAMP)
+	$(BIN)/python -m relayrl.core.protogen generate
+
+protos: $(SETUP_STAMP) ## regenerate _pb2 / _pb2_grpc / .pyi code from protos/ (also run by setup)
+	$(BIN)/python -m relayrl.core.protogen generate
+
+test: setup ## run the whole test suite (what CI runs)
+	$(BIN)/python -m pytest
+
+test-unit: setup ## run the pure-logic unit tests only
+	$(BIN)/python -m pytest tests/unit
+
+test-integration: setup ## run the tests against real redis-server, gRPC servers and processes
+	$(BIN)/python -m pytest tests/integration
+
+lint: setup ## ruff check + format check, and check that every proto compiles
+	$(BIN)/ruff check services tests bench
+	$(BIN)/ruff format --check services tests bench
+	$(BIN)/python -m relayrl.core.protogen check
+
+bench: bench-tq ## run every benchmark
+
+bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
+	$(BIN)/python bench/tq_bench.py
+
+run: setup ## set up and run the main job on the embedded default
+	$(BIN)/relayrl up
+
+lock: ## re-resolve requirements/direct.txt into requirements/lock.txt in a scratch venv
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q "$$(grep '^torch==' requirements/direct.txt)" $(QUIET_PIP)
+	.lock-venv/bin/python -m pip install -q -c <(grep '^torch==' requirements/direct.txt) -r requirements/direct.txt $(QUIET_PIP)
+	.lock-venv/bin/python -m pip freeze --exclude-editable \
+	  | grep -vE '^(torchvision|torchaudio|torchcodec)==' > requirements/lock.txt
+	rm -rf .lock-venv
+
+clean: ## remove the venv, generated code and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache
+	$(PYTHON) - <<<'import pathlib; [p.unlink() for pat in ("*_pb2.py","*_pb2_grpc.py","*_pb2.pyi") for p in pathlib.Path("services/relayrl/proto").rglob(pat)]'
+	rm -f $(PROTO_STAMP)
