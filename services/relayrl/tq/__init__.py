@@ -1,0 +1,58 @@
+"""relayrl.tq: the TransferQueue on Redis — prompt groups and trajectories with tags, an atomic
+status machine, event streams read by consumer groups, idempotent puts, AOF durability."""
+
+from relayrl.tq.config import TQConfig
+from relayrl.tq.consumer import EventConsumer
+from relayrl.tq.errors import (
+    ConflictError,
+    CorruptRecordError,
+    IllegalTransitionError,
+    InvalidInputError,
+    StaleClaimError,
+    TQError,
+    TQStateError,
+    UnknownKeyError,
+    UnknownPartitionError,
+)
+from relayrl.tq.model import (
+    GROUP_TRANSITIONS,
+    TRAJECTORY_TRANSITIONS,
+    ClaimedGroup,
+    ClaimResult,
+    Counts,
+    Event,
+    GroupStatus,
+    GroupWithTrajectories,
+    PutResult,
+    TrajectoryPut,
+    TrajectoryStatus,
+)
+from relayrl.tq.queue import DurabilityError, TQUnavailableError, TransferQueue
+
+__all__ = [
+    "GROUP_TRANSITIONS",
+    "TRAJECTORY_TRANSITIONS",
+    "ClaimResult",
+    "ClaimedGroup",
+    "ConflictError",
+    "CorruptRecordError",
+    "Counts",
+    "DurabilityError",
+    "Event",
+    "EventConsumer",
+    "GroupStatus",
+    "GroupWithTrajectories",
+    "IllegalTransitionError",
+    "InvalidInputError",
+    "PutResult",
+    "StaleClaimError",
+    "TQConfig",
+    "TQError",
+    "TQStateError",
+    "TQUnavailableError",
+    "TrajectoryPut",
+    "TrajectoryStatus",
+    "TransferQueue",
+    "UnknownKeyError",
+    "UnknownPartitionError",
+]

@@ -1,0 +1,179 @@
+"""TransferQueue vs raw pipelined redis-py, side by side, on 2048-token trajectories.
+
+Both sides move the same bytes through the same private redis-server (AOF everysec) for the
+same pipeline, one round = `--groups` prompt groups of `--samples` trajectories:
+
+    tq:  put_groups -> claim_groups -> put_trajectories -> reward consumer (read events,
+         get_trajectories, score_trajectories, ack) -> consume(step) + get_groups
+    raw: pipelined SET of each group's bytes -> pipelined SET of each trajectory's bytes ->
+         pipelined GET of the trajectories + SET of their rewards (the scorer) ->
+         pipelined GET of the groups, trajectories and rewards (the trainer)
+
+Serialising messages before a write and parsing them after a read are on both sides (a real
+consumer must parse what it reads), so the ratio is what the queue's bookkeeping costs: status
+checks, the atomic transitions, indexes, events, acks, validation and idempotency digests.
+Runs alternate tq / raw on fresh data so that noise on this shared machine hits both alike.
+
+The last line is exactly: tq-bench: ratio=<tq_rate/raw_rate> tq=<N>/s raw=<M>/s
+(rates in trajectories per second, the median over the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+import redis
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import EventConsumer, TrajectoryPut, TransferQueue
+from relayrl.tq.server import RedisServer
+
+PARTITION = "train"
+VOCAB = 151_000
+
+
+def make_round(
+    rng: random.Random, tag: str, groups: int, samples: int, prompt_len: int, response_len: int
+) -> tuple[list[common_pb2.PromptGroup], list[common_pb2.Trajectory]]:
+    prompts, trajectories = [], []
+    for g in range(groups):
+        uid = f"{tag}-g{g}"
+        prompt = rng.choices(range(VOCAB), k=prompt_len)
+        prompts.append(
+            common_pb2.PromptGroup(
+                uid=uid,
+                prompt_step=0,
+                num_samples=samples,
+                prompt_token_ids=prompt,
+                data_source="arith",
+                ground_truth="42",
+            )
+        )
+        for i in range(samples):
+            trajectories.append(
+                common_pb2.Trajectory(
+                    uid=uid,
+                    index=i,
+                    prompt_token_ids=prompt,
+                    response_token_ids=rng.choices(range(VOCAB), k=response_len),
+                    response_mask=b"\x01" * response_len,
+                    rollout_logprobs=[-rng.random() for _ in range(response_len)],
+                    spans=[common_pb2.GenerationSpan(start=0, end=response_len, generated=True)],
+                )
+            )
+    return prompts, trajectories
+
+
+def reward_for(traj: common_pb2.Trajectory) -> common_pb2.RewardResult:
+    return common_pb2.RewardResult(
+        item_id=f"{traj.uid}_{traj.index}",
+        status=common_pb2.REWARD_STATUS_OK,
+        score=float(traj.response_token_ids[-1] % 2),
+    )
+
+
+def run_tq(tq: TransferQueue, step: int, prompts, trajectories, samples: int) -> None:
+    tq.put_groups(PARTITION, prompts)
+    claimed = tq.claim_groups(PARTITION, max_groups=len(prompts), claimer="bench", lease_s=60)
+    claims = {c.group.uid: c.claim_id for c in claimed.claimed}
+    for start in range(0, len(trajectories), 64):
+        chunk = trajectories[start : start + 64]
+        tq.put_trajectories(PARTITION, [TrajectoryPut(t, claims[t.uid]) for t in chunk])
+    scorer = EventConsumer(
+        tq, PARTITION, group="reward", reader="bench", wants={("trajectory", "finished")}
+    )
+    num_scored = 0
+    while num_scored < len(trajectories):
+        events = scorer.read(count=256, block_s=1.0)
+        read = tq.get_trajectories(PARTITION, [e.key for e in events])
+        tq.score_trajectories(PARTITION, {f"{t.uid}_{t.index}": reward_for(t) for t in read})
+        scorer.ack(events)
+        num_scored += len(events)
+    uids = tq.consume(PARTITION, step, len(prompts))
+    batch = tq.get_groups(PARTITION, uids)
+    assert sum(len(g.trajectories) for g in batch) == len(prompts) * samples
+
+
+def run_raw(client: redis.Redis, tag: str, prompts, trajectories) -> None:
+    pipe = client.pipeline(transaction=False)
+    for p in prompts:
+        pipe.set(f"raw:{tag}:g:{p.uid}", p.SerializeToString())
+    pipe.execute()
+    keys = [f"raw:{tag}:t:{t.uid}_{t.index}" for t in trajectories]
+    for start in range(0, len(trajectories), 64):
+        pipe = client.pipeline(transaction=False)
+        for key, t in zip(keys[start : start + 64], trajectories[start : start + 64], strict=True):
+            pipe.set(key, t.SerializeToString())
+        pipe.execute()
+    for start in range(0, len(keys), 256):
+        chunk = keys[start : start + 256]
+        pipe = client.pipeline(transaction=False)
+        for key in chunk:
+            pipe.get(key)
+        read = [common_pb2.Trajectory.FromString(b) for b in pipe.execute()]
+        pipe = client.pipeline(transaction=False)
+        for key, t in zip(chunk, read, strict=True):
+            pipe.set(f"{key}:reward", reward_for(t).SerializeToString())
+        pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for p in prompts:
+        pipe.get(f"raw:{tag}:g:{p.uid}")
+    for key in keys:
+        pipe.get(key)
+        pipe.get(f"{key}:reward")
+    replies = pipe.execute()
+    _ = [common_pb2.PromptGroup.FromString(b) for b in replies[: len(prompts)]]
+    rest = replies[len(prompts) :]
+    _ = [common_pb2.Trajectory.FromString(b) for b in rest[::2]]
+    _ = [common_pb2.RewardResult.FromString(b) for b in rest[1::2]]
+    assert len(rest) == 2 * len(trajectories)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=64, help="prompt groups per round")
+    parser.add_argument("--samples", type=int, default=8, help="trajectories per group")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--response-len", type=int, default=1536)
+    parser.add_argument("--runs", type=int, default=5, help="rounds per side (alternating)")
+    args = parser.parse_args()
+
+    rng = random.Random(0)
+    num_traj = args.groups * args.samples
+    tq_rates, raw_rates = [], []
+    with tempfile.TemporaryDirectory() as data_dir, RedisServer(data_dir) as server:
+        client = server.client()
+        tq = TransferQueue(client)
+        tq.create_partition(PARTITION)
+        for run in range(args.runs + 1):  # run 0 warms both paths up and is not counted
+            prompts, trajectories = make_round(
+                rng, f"r{run}", args.groups, args.samples, args.prompt_len, args.response_len
+            )
+            t0 = time.perf_counter()
+            run_tq(tq, run, prompts, trajectories, args.samples)
+            t1 = time.perf_counter()
+            run_raw(client, f"r{run}", prompts, trajectories)
+            t2 = time.perf_counter()
+            if run:
+                tq_rates.append(num_traj / (t1 - t0))
+                raw_rates.append(num_traj / (t2 - t1))
+                print(
+                    f"run {run}: tq {tq_rates[-1]:8.0f}/s  raw {raw_rates[-1]:8.0f}/s  "
+                    f"ratio {tq_rates[-1] / raw_rates[-1]:.2f}"
+                )
+        size = len(trajectories[0].SerializeToString())
+        tq.close()
+    tq_rate, raw_rate = statistics.median(tq_rates), statistics.median(raw_rates)
+    print(
+        f"{args.runs} runs x {num_traj} trajectories of {args.prompt_len}+{args.response_len} "
+        f"tokens ({size} bytes each), redis-server AOF everysec"
+    )
+    print(f"tq-bench: ratio={tq_rate / raw_rate:.2f} tq={tq_rate:.0f}/s raw={raw_rate:.0f}/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Configuration of a TransferQueue client (shared by every service)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from relayrl.tq.codec import check_partition_name
+
+
+class TQConfig(BaseModel):
+    """Where the TransferQueue lives and how it is used. Every service that touches the queue
+    has this section (`tq:`) in its config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis URL (redis:// or rediss://; a password goes in the URL or in "
+        "password_env).",
+    )
+    password_env: str | None = Field(
+        None, description="Name of an environment variable holding the Redis password."
+    )
+    namespace: str = Field(
+        "relayrl",
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Key prefix; runs that share one Redis use different namespaces. Every key "
+        "is hash-tagged with it, so a Redis Cluster keeps a namespace on one shard.",
+    )
+    partitions: list[str] = Field(
+        default_factory=lambda: ["train", "val"],
+        description="Partitions this service creates on start (create_partition is idempotent).",
+    )
+    max_value_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1024,
+        le=512 * 1024 * 1024,
+        description="Largest serialised group, trajectory or reward accepted; larger payloads "
+        "belong in attachments (by reference).",
+    )
+    event_stream_max_len: int = Field(
+        1_000_000,
+        ge=1000,
+        description="Approximate length at which each partition's event stream is trimmed. "
+        "Keep it well above the number of events a slow consumer group can fall behind by.",
+    )
+    durability: Literal["everysec", "always"] = Field(
+        "everysec",
+        description="AOF fsync policy the queue expects of its Redis (appendonly yes + "
+        "appendfsync). `always` fsyncs every transition before acknowledging it; `everysec` "
+        "may lose up to ~1 s (2 s on a slow disk) of acknowledged transitions on a machine "
+        "crash. check_durability() verifies the server matches.",
+    )
+    socket_timeout_s: float = Field(
+        30.0, gt=0, description="Timeout of one Redis command (a stuck Redis is an error)."
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="Timeout to connect to Redis.")
+
+    @field_validator("partitions")
+    @classmethod
+    def _partition_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            check_partition_name(name)
+        return names

@@ -1,0 +1,121 @@
+"""Reading a partition's event stream as a consumer group, with acks, reclaim and dead letters.
+
+Each role that reacts to transitions (the reward-service scoring finished trajectories, the
+trainer waiting for scored groups) reads through its own consumer group, so every event is
+delivered to one reader of that role and stays pending until acknowledged. A reader that dies
+keeps its entries pending; once they have been idle for `reclaim_idle_s`, the next `read` of any
+reader of the group claims them. An entry delivered `max_deliveries` times without an ack is a
+poison entry: it is moved to the partition's dead-letter stream and acknowledged.
+
+Processing must be idempotent in effect (the TransferQueue's transitions are: scoring an already
+scored trajectory is a no-op), because a reader that dies after acting and before acking has its
+entries delivered again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import redis
+
+from relayrl.tq import codec
+from relayrl.tq.errors import InvalidInputError
+from relayrl.tq.model import Event
+from relayrl.tq.queue import TQUnavailableError, TransferQueue, event_from_entry
+
+
+class EventConsumer:
+    """One reader of one consumer group on one partition's event stream."""
+
+    def __init__(
+        self,
+        tq: TransferQueue,
+        partition: str,
+        *,
+        group: str,
+        reader: str,
+        wants: Iterable[tuple[str, str]] | None = None,
+        reclaim_idle_s: float = 30.0,
+        max_deliveries: int = 5,
+        start_id: str = "0",
+    ) -> None:
+        """`wants`: (kind, to_status) pairs this role acts on, e.g. {("trajectory", "finished")};
+        other events are acknowledged as soon as they are read. None: every event.
+        `start_id`: where a new consumer group starts ("0": the whole log, "$": from now)."""
+        codec.check_partition_name(partition)
+        for name, value in (("group", group), ("reader", reader)):
+            if not isinstance(value, str) or not value:
+                raise InvalidInputError(f"consumer {name} must be a non-empty name")
+        if max_deliveries < 1:
+            raise InvalidInputError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        if not reclaim_idle_s > 0:
+            raise InvalidInputError(f"reclaim_idle_s must be > 0, got {reclaim_idle_s}")
+        self._tq = tq
+        self._redis: redis.Redis = tq.redis
+        self.partition, self.group, self.reader = partition, group, reader
+        self._wants = None if wants is None else frozenset(wants)
+        self._reclaim_idle_ms = max(1, round(reclaim_idle_s * 1000))
+        self._max_deliveries = max_deliveries
+        prefix = tq.key_prefix(partition)
+        self.stream, self.dead_stream = f"{prefix}events", f"{prefix}dead"
+        self._ensure_group(start_id)
+
+    def _ensure_group(self, start_id: str) -> None:
+        try:
+            self._redis.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int = 100, block_s: float = 1.0) -> list[Event]:
+        """Up to `count` events for this reader: first entries reclaimed from dead readers, then
+        new ones (waiting up to `block_s` when there is nothing at all)."""
+        if count < 1:
+            raise InvalidInputError(f"count must be >= 1, got {count}")
+        try:
+            events = self._reclaim(count)
+            if len(events) < count:
+                block_ms = None if events else max(1, round(block_s * 1000))
+                reply = self._redis.xreadgroup(
+                    self.group,
+                    self.reader,
+                    {self.stream: ">"},
+                    count=count - len(events),
+                    block=block_ms,
+                )
+                for _, entries in reply or []:
+                    events += [event_from_entry(i, f) for i, f in entries if f is not None]
+            return self._drop_unwanted(events)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
+
+    def _reclaim(self, count: int) -> list[Event]:
+        events, _ = self._tq.reclaim_events(
+            self.partition,
+            group=self.group,
+            reader=self.reader,
+            min_idle_ms=self._reclaim_idle_ms,
+            count=count,
+            max_deliveries=self._max_deliveries,
+        )
+        return events
+
+    def _drop_unwanted(self, events: list[Event]) -> list[Event]:
+        if self._wants is None:
+            return events
+        unwanted = [e.id for e in events if (e.kind, e.to_status) not in self._wants]
+        if unwanted:
+            self._redis.xack(self.stream, self.group, *unwanted)
+        return [e for e in events if (e.kind, e.to_status) in self._wants]
+
+    def ack(self, events: Iterable[Event | str]) -> int:
+        ids = [e.id if isinstance(e, Event) else e for e in events]
+        return int(self._redis.xack(self.stream, self.group, *ids)) if ids else 0
+
+    def pending_count(self) -> int:
+        """Entries delivered to this group and not yet acknowledged (any reader)."""
+        return int(self._redis.xpending(self.stream, self.group)["pending"])
+
+    def dead_letters(self, count: int = 100) -> list[Event]:
+        entries = self._redis.xrange(self.dead_stream, "-", "+", count)
+        return [event_from_entry(i, f) for i, f in entries]

@@ -1,0 +1,90 @@
+-- Prepended to every TransferQueue script (relayrl.tq.scripts).
+--
+-- Calling convention: KEYS[1] is the namespace's partition set; ARGV[1] the partition's key
+-- prefix "{<namespace>}:p:<partition>:", ARGV[2] the partition name, ARGV[3] the event stream's
+-- approximate max length. Script-specific arguments start at ARGV[4].
+--
+-- Redis does not roll a script back when it fails half-way, so every script validates its
+-- whole batch first and only then writes: an error reply means nothing was changed.
+local P = ARGV[1]
+local PARTITION = ARGV[2]
+local MAXLEN = ARGV[3]
+
+-- Error replies are parsed by relayrl.tq.queue into typed exceptions.
+local function fail(code, ...)
+  return redis.error_reply(table.concat({'RELAYRL', code, ...}, '\t'))
+end
+
+local function partition_exists()
+  return redis.call('SISMEMBER', KEYS[1], PARTITION) == 1
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Appends one transition to the partition's event stream, in the same atomic step.
+local function emit(kind, key, from, to, ...)
+  redis.call('XADD', P .. 'events', 'MAXLEN', '~', MAXLEN, '*',
+    'kind', kind, 'key', key, 'from', from, 'to', to, ...)
+end
+
+-- Moves a group between status indexes (sorted sets scored by prompt step, or by consumed step
+-- for 'consumed') and records the transition.
+local function move_group(uid, from, to, score, ...)
+  redis.call('ZREM', P .. 'gs:' .. from, uid)
+  redis.call('ZADD', P .. 'gs:' .. to, score, uid)
+  redis.call('HSET', P .. 'g:' .. uid, 'status', to)
+  emit('group', uid, from, to, ...)
+end
+
+-- A group whose every sample is written and whose every written sample is settled (scored, or
+-- failed and so never scored) moves on: running -> finished -> scored.
+local function settle_group(uid)
+  local g = P .. 'g:' .. uid
+  local f = redis.call('HMGET', g, 'status', 'step', 'n', 'num_put', 'num_failed', 'num_scored')
+  local status, step, n = f[1], f[2], tonumber(f[3])
+  local num_put, num_failed, num_scored = tonumber(f[4]), tonumber(f[5]), tonumber(f[6])
+  if status == 'running' and num_put == n then
+    redis.call('ZREM', P .. 'leases', uid)
+    redis.call('HDEL', g, 'claim', 'claimer')
+    move_group(uid, 'running', 'finished', step)
+    status = 'finished'
+  end
+  if status == 'finished' and num_failed + num_scored == n then
+    move_group(uid, 'finished', 'scored', step)
+  end
+end
+
+local function in_set(value, csv)
+  for item in string.gmatch(csv, '[^,]+') do
+    if item == value then return true end
+  end
+  return false
+end
+
+-- Checks that a group exists and is in one of the statuses `allowed` (comma separated).
+-- Returns an error reply, or nil and the group's fields {status, step, claim}.
+local function check_group(uid, allowed, requested)
+  local f = redis.call('HMGET', P .. 'g:' .. uid, 'status', 'step', 'claim')
+  if not f[1] then return fail('UNKNOWN_KEY', uid) end
+  if not in_set(f[1], allowed) then return fail('ILLEGAL_TRANSITION', uid, f[1], requested) end
+  return nil, f
+end
+
+-- The caller's claim must be the group's current one: a claimer whose lease expired (or who
+-- released the group) must not write to it any more, whoever owns it now.
+-- Returns an error reply, or nil and the group's fields {status, step, claim}.
+local function check_claim(uid, claim, requested)
+  local f = redis.call('HMGET', P .. 'g:' .. uid, 'status', 'step', 'claim')
+  if not f[1] then return fail('UNKNOWN_KEY', uid) end
+  if f[1] ~= 'running' then
+    return fail('STALE_CLAIM', uid, f[1], requested, 'the group is no longer running')
+  end
+  if f[3] ~= claim then
+    return fail('STALE_CLAIM', uid, f[1], requested,
+      'claim ' .. claim .. ' was superseded by ' .. tostring(f[3]))
+  end
+  return nil, f
+end

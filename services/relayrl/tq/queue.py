@@ -1,0 +1,526 @@
+"""The TransferQueue: Redis-backed, durable record of every prompt group and trajectory.
+
+Every status change is one Lua script: it checks the current status, writes the new one and
+appends the transition to the partition's event stream in a single atomic step (see
+relayrl.tq.model for the state machine). Puts are idempotent: retrying a put with the same
+content is a no-op, reusing a key with other content is a ConflictError.
+
+Key layout (all keys share the hash tag "{<namespace>}", so a Redis Cluster keeps a namespace
+on one shard):
+    {ns}:partitions                 set of partition names
+    {ns}:p:<part>:g:<uid>           hash: one prompt group (status, step, claim, counters, data)
+    {ns}:p:<part>:t:<uid>_<i>       hash: one trajectory (status, tags, data, reward)
+    {ns}:p:<part>:gs:<status>       sorted set: groups by status, scored by prompt step
+                                    (by consumed step for 'consumed')
+    {ns}:p:<part>:leases            sorted set: running groups by lease deadline (ms)
+    {ns}:p:<part>:launched          groups claimed and not returned to pending
+    {ns}:p:<part>:tcount            hash: trajectories by status
+    {ns}:p:<part>:events            stream: every transition (consumer groups read it)
+    {ns}:p:<part>:dead              stream: events given up on after too many deliveries
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import codec
+from relayrl.tq.config import TQConfig
+from relayrl.tq.errors import InvalidInputError, TQError, UnknownKeyError
+from relayrl.tq.model import (
+    INFRA_REWARD_STATUSES,
+    ClaimedGroup,
+    ClaimResult,
+    Counts,
+    Event,
+    GroupStatus,
+    GroupWithTrajectories,
+    PutResult,
+    TrajectoryPut,
+    TrajectoryStatus,
+    allowed_from,
+)
+from relayrl.tq.scripts import load_scripts, translate_error
+
+log = logging.getLogger(__name__)
+
+
+class TQUnavailableError(TQError, ConnectionError):
+    """Redis could not be reached or did not answer in time."""
+
+
+class DurabilityError(TQError):
+    """The Redis server is not configured for the durability the queue was promised."""
+
+
+def _positive_int(value: object, name: str, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _claims(claims: Mapping[str, str] | Iterable[ClaimedGroup]) -> list[tuple[str, str]]:
+    if isinstance(claims, Mapping):
+        pairs = list(claims.items())
+    else:
+        pairs = [(c.group.uid, c.claim_id) for c in claims]
+    for uid, claim_id in pairs:
+        codec.check_uid(uid)
+        if not isinstance(claim_id, str) or not claim_id:
+            raise InvalidInputError(f"claim id of group {uid!r} must be a non-empty string")
+    return pairs
+
+
+def _unique(keys: Iterable[str], what: str) -> list[str]:
+    keys = list(keys)
+    repeated = [key for key, n in Counter(keys).items() if n > 1]
+    if repeated:
+        raise InvalidInputError(f"{what} {repeated[0]!r} appears twice in one request")
+    return keys
+
+
+class TransferQueue:
+    """Client of the TransferQueue. Thread-safe (one Redis connection pool); services on
+    asyncio call it through `asyncio.to_thread`."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        namespace: str = "relayrl",
+        max_value_bytes: int = 32 * 1024 * 1024,
+        event_stream_max_len: int = 1_000_000,
+        durability: str = "everysec",
+    ) -> None:
+        self._redis = client
+        self._ns = namespace
+        self._max_value_bytes = max_value_bytes
+        self._event_stream_max_len = event_stream_max_len
+        self._durability = durability
+        self._scripts = load_scripts(client)
+
+    @classmethod
+    def from_config(cls, config: TQConfig) -> TransferQueue:
+        password = os.environ.get(config.password_env) if config.password_env else None
+        if config.password_env and password is None:
+            raise InvalidInputError(
+                f"tq.password_env names {config.password_env!r}, which is not set"
+            )
+        client = redis.Redis.from_url(
+            config.url,
+            password=password,
+            socket_timeout=config.socket_timeout_s,
+            socket_connect_timeout=config.connect_timeout_s,
+            # No automatic retries: claim_groups is not idempotent, and callers decide.
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=30,
+        )
+        tq = cls(
+            client,
+            namespace=config.namespace,
+            max_value_bytes=config.max_value_bytes,
+            event_stream_max_len=config.event_stream_max_len,
+            durability=config.durability,
+        )
+        for partition in config.partitions:
+            tq.create_partition(partition)
+        return tq
+
+    @property
+    def redis(self) -> redis.Redis:
+        return self._redis
+
+    @property
+    def namespace(self) -> str:
+        return self._ns
+
+    def close(self) -> None:
+        self._redis.close()
+
+    # -- keys and script plumbing ---------------------------------------------------------
+
+    def _partitions_key(self) -> str:
+        return f"{{{self._ns}}}:partitions"
+
+    def key_prefix(self, partition: str) -> str:
+        return f"{{{self._ns}}}:p:{partition}:"
+
+    def _call(self, partition: str, script: str, *args: Any) -> Any:
+        codec.check_partition_name(partition)
+        argv = [self.key_prefix(partition), partition, self._event_stream_max_len, *args]
+        return self._run(partition, script, [self._partitions_key()], argv)
+
+    def _run(self, partition: str, script: str, keys: list[str], argv: list[Any]) -> Any:
+        try:
+            return self._scripts[script](keys=keys, args=argv)
+        except redis.ResponseError as exc:
+            raise translate_error(partition, exc) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
+
+    def _pipeline_execute(self, pipe: redis.client.Pipeline) -> list[Any]:
+        try:
+            return pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
+
+    # -- partitions -----------------------------------------------------------------------
+
+    def create_partition(self, partition: str) -> bool:
+        """Creates a partition; returns False when it already existed."""
+        codec.check_partition_name(partition)
+        return bool(self._redis.sadd(self._partitions_key(), partition))
+
+    def partitions(self) -> list[str]:
+        return sorted(p.decode() for p in self._redis.smembers(self._partitions_key()))
+
+    # -- prompt groups --------------------------------------------------------------------
+
+    def put_groups(
+        self, partition: str, groups: Sequence[common_pb2.PromptGroup | bytes]
+    ) -> PutResult:
+        """Adds prompt groups as pending. Idempotent per uid (same content: no-op)."""
+        codec.check_partition_name(partition)
+        encoded = [codec.encode_group(g, partition, self._max_value_bytes) for g in groups]
+        if not encoded:
+            return PutResult([], [])
+        argv: list[Any] = [len(encoded)]
+        for e in encoded:
+            argv += [e.uid, e.prompt_step, e.num_samples, e.digest, e.data]
+        flags = self._call(partition, "put_groups", *argv)
+        return _put_result([e.uid for e in encoded], flags)
+
+    def claim_groups(
+        self,
+        partition: str,
+        *,
+        max_groups: int,
+        claimer: str,
+        lease_s: float,
+        max_launched: int | None = None,
+    ) -> ClaimResult:
+        """Claims up to `max_groups` pending groups, oldest prompt step first.
+
+        `max_launched` caps the partition-wide count of groups claimed and not yet returned to
+        pending, across every claimer: the gateway's staleness throttle passes (v + 1 + eta) * B
+        so that concurrent gateways cannot overshoot it together. The claim holds for `lease_s`
+        (renew_leases extends it); an expired claim returns the group to pending.
+        """
+        _positive_int(max_groups, "max_groups", minimum=0)
+        if not isinstance(claimer, str) or not claimer:
+            raise InvalidInputError("claimer must be a non-empty name (e.g. pod and process id)")
+        if not lease_s > 0:
+            raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
+        cap = -1 if max_launched is None else _positive_int(max_launched, "max_launched", 0)
+        raw = self._call(
+            partition, "claim_groups", max_groups, cap, claimer, max(1, round(lease_s * 1000))
+        )
+        claimed = []
+        for i in range(1, len(raw), 5):
+            uid, claim_id, step, data, have = raw[i : i + 5]
+            uid = uid.decode()
+            fields = {b"data": data, b"status": b"running", b"step": step}
+            group = codec.decode_group(partition, uid, fields)
+            present = {int(x) for x in have.split(b",") if x}
+            missing = [n for n in range(group.num_samples) if n not in present]
+            claimed.append(ClaimedGroup(group, claim_id.decode(), missing))
+        return ClaimResult(claimed, int(raw[0]))
+
+    def renew_leases(
+        self, partition: str, claims: Mapping[str, str] | Iterable[ClaimedGroup], lease_s: float
+    ) -> None:
+        """Extends claims; raises StaleClaimError if any was lost (then none is extended)."""
+        if not lease_s > 0:
+            raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
+        pairs = _claims(claims)
+        self._call(
+            partition,
+            "renew_leases",
+            max(1, round(lease_s * 1000)),
+            len(pairs),
+            *[x for pair in pairs for x in pair],
+        )
+
+    def release_groups(
+        self,
+        partition: str,
+        claims: Mapping[str, str] | Iterable[ClaimedGroup],
+        reason: str = "released",
+    ) -> int:
+        """Gives claimed groups back to pending (trajectories already written are kept)."""
+        pairs = _claims(claims)
+        return self._call(
+            partition, "release_groups", reason, len(pairs), *[x for p in pairs for x in p]
+        )
+
+    def requeue_expired(self, partition: str, max_groups: int = 1000) -> list[str]:
+        """Returns groups whose claim lease expired to pending; returns their uids."""
+        _positive_int(max_groups, "max_groups")
+        return [u.decode() for u in self._call(partition, "requeue_expired", max_groups)]
+
+    def fail_groups(
+        self,
+        partition: str,
+        claims: Mapping[str, str] | Iterable[ClaimedGroup],
+        reason: str,
+    ) -> int:
+        """The claimer gives up on whole groups (running -> failed), e.g. every engine is down."""
+        pairs = _claims(claims)
+        return self._call(
+            partition, "fail_groups", reason, len(pairs), *[x for p in pairs for x in p]
+        )
+
+    def reissue_groups(
+        self, partition: str, uids: Iterable[str], prompt_step: int | None = None
+    ) -> int:
+        """Failed groups back to pending, optionally re-stamped with the current step."""
+        step = -1 if prompt_step is None else _positive_int(prompt_step, "prompt_step", 0)
+        return self._move(partition, uids, GroupStatus.PENDING, "reissued", step)
+
+    def drop_groups(self, partition: str, uids: Iterable[str], reason: str) -> int:
+        """Evicts finished or scored groups (too stale, no training signal)."""
+        return self._move(partition, uids, GroupStatus.DROPPED, reason, -1)
+
+    def _move(
+        self, partition: str, uids: Iterable[str], target: GroupStatus, reason: str, step: int
+    ) -> int:
+        keys = _unique((codec.check_uid(u) for u in uids), "group")
+        sources = ",".join(allowed_from(target))
+        return self._call(
+            partition, "move_groups", target.value, sources, reason, step, len(keys), *keys
+        )
+
+    # -- trajectories ---------------------------------------------------------------------
+
+    def put_trajectories(self, partition: str, puts: Sequence[TrajectoryPut]) -> PutResult:
+        """Writes trajectories under their group's claim. A group whose every sample is written
+        becomes finished (and scored at once if every sample failed). Idempotent per key."""
+        codec.check_partition_name(partition)
+        argv: list[Any] = [len(puts)]
+        keys = []
+        for put in puts:
+            if not isinstance(put, TrajectoryPut):
+                raise InvalidInputError(
+                    f"put_trajectories takes TrajectoryPut items, not {type(put).__name__}"
+                )
+            e = codec.encode_trajectory(put.trajectory, partition, self._max_value_bytes)
+            status = TrajectoryStatus.FAILED if put.failed else TrajectoryStatus.FINISHED
+            argv += [
+                e.uid,
+                e.index,
+                e.key,
+                put.claim_id,
+                status.value,
+                e.digest,
+                e.data,
+                e.prompt_len,
+                e.response_len,
+                e.min_policy_version,
+                e.max_policy_version,
+            ]
+            keys.append(e.key)
+        if not keys:
+            return PutResult([], [])
+        return _put_result(keys, self._call(partition, "put_trajectories", *argv))
+
+    def score_trajectories(
+        self,
+        partition: str,
+        rewards: Mapping[str, common_pb2.RewardResult | bytes],
+    ) -> list[str]:
+        """Attaches rewards to finished trajectories (key -> result). The first score of a key
+        stands: scoring it again is a no-op, so a redelivered event cannot score twice.
+        Returns the keys scored by this call."""
+        argv: list[Any] = [len(rewards)]
+        keys = list(rewards)
+        for key in keys:
+            codec.split_trajectory_key(key)
+            data = codec.encode_reward(rewards[key], key, self._max_value_bytes)
+            status = common_pb2.RewardResult.FromString(data).status
+            argv += [key, int(status), int(status in INFRA_REWARD_STATUSES), data]
+        if not keys:
+            return []
+        flags = self._call(partition, "score_trajectories", *argv)
+        return [key for key, flag in zip(keys, flags, strict=True) if flag]
+
+    # -- trainer side ---------------------------------------------------------------------
+
+    def consume(self, partition: str, step: int, num_groups: int) -> list[str]:
+        """Marks up to `num_groups` scored groups (oldest prompt step first) consumed at `step`
+        and returns every group consumed at `step`. Calling it again for the same step returns
+        the same groups (topped up to `num_groups`): a retried step never takes new data."""
+        _positive_int(step, "step", 0)
+        _positive_int(num_groups, "num_groups", 0)
+        return [u.decode() for u in self._call(partition, "consume", step, num_groups)]
+
+    def reset_consumption(self, partition: str, after_step: int) -> list[str]:
+        """After restoring the checkpoint of `after_step`: groups consumed at later steps go back
+        to scored, so resuming neither loses nor re-trains a trajectory."""
+        _positive_int(after_step, "after_step", 0)
+        return [u.decode() for u in self._call(partition, "reset_consumption", after_step)]
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get_groups(
+        self, partition: str, uids: Sequence[str], *, with_trajectories: bool = True
+    ) -> list[GroupWithTrajectories]:
+        """Reads groups (with tags) and, optionally, their written trajectories (in index order).
+        Raises UnknownKeyError for a missing group."""
+        codec.check_partition_name(partition)
+        prefix = self.key_prefix(partition)
+        pipe = self._redis.pipeline(transaction=False)
+        for uid in uids:
+            pipe.hgetall(f"{prefix}g:{codec.check_uid(uid)}")
+        group_fields = self._pipeline_execute(pipe)
+        groups = []
+        for uid, fields in zip(uids, group_fields, strict=True):
+            if not fields:
+                raise UnknownKeyError(partition, uid)
+            groups.append(codec.decode_group(partition, uid, fields))
+        trajectories: list[list[common_pb2.Trajectory]] = [[] for _ in groups]
+        if with_trajectories:
+            wanted = [(n, g.uid, i) for n, g in enumerate(groups) for i in range(g.num_samples)]
+            pipe = self._redis.pipeline(transaction=False)
+            for _, uid, i in wanted:
+                pipe.hgetall(f"{prefix}t:{codec.trajectory_key(uid, i)}")
+            for (n, uid, i), fields in zip(wanted, self._pipeline_execute(pipe), strict=True):
+                if fields:
+                    key = codec.trajectory_key(uid, i)
+                    trajectories[n].append(codec.decode_trajectory(partition, key, fields))
+        return [GroupWithTrajectories(g, t) for g, t in zip(groups, trajectories, strict=True)]
+
+    def get_trajectories(self, partition: str, keys: Sequence[str]) -> list[common_pb2.Trajectory]:
+        """Reads trajectories by key; raises UnknownKeyError for a missing one."""
+        codec.check_partition_name(partition)
+        prefix = self.key_prefix(partition)
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            codec.split_trajectory_key(key)
+            pipe.hgetall(f"{prefix}t:{key}")
+        out = []
+        for key, fields in zip(keys, self._pipeline_execute(pipe), strict=True):
+            if not fields:
+                raise UnknownKeyError(partition, key)
+            out.append(codec.decode_trajectory(partition, key, fields))
+        return out
+
+    def counts(self, partition: str) -> Counts:
+        """Groups by status, trajectories by status, and the launched counter (for metrics)."""
+        codec.check_partition_name(partition)
+        prefix = self.key_prefix(partition)
+        pipe = self._redis.pipeline(transaction=False)
+        for status in GroupStatus:
+            pipe.zcard(f"{prefix}gs:{status.value}")
+        pipe.hgetall(f"{prefix}tcount")
+        pipe.get(f"{prefix}launched")
+        *group_counts, traj_counts, launched = self._pipeline_execute(pipe)
+        return Counts(
+            groups=dict(zip(GroupStatus, group_counts, strict=True)),
+            trajectories={s: int(traj_counts.get(s.value.encode(), 0)) for s in TrajectoryStatus},
+            num_launched=int(launched or 0),
+        )
+
+    def staleness(
+        self,
+        partition: str,
+        step: int,
+        statuses: Iterable[GroupStatus] = (
+            GroupStatus.PENDING,
+            GroupStatus.RUNNING,
+            GroupStatus.FINISHED,
+            GroupStatus.SCORED,
+        ),
+    ) -> dict[GroupStatus, dict[int, int]]:
+        """Histogram of staleness (step - prompt_step + 1) of the groups in each status."""
+        codec.check_partition_name(partition)
+        statuses = list(statuses)
+        if GroupStatus.CONSUMED in statuses:
+            raise InvalidInputError("consumed groups have no staleness at `step`; leave them out")
+        prefix = self.key_prefix(partition)
+        pipe = self._redis.pipeline(transaction=False)
+        for status in statuses:
+            pipe.zrange(f"{prefix}gs:{status.value}", 0, -1, withscores=True)
+        out = {}
+        for status, members in zip(statuses, self._pipeline_execute(pipe), strict=True):
+            out[status] = dict(sorted(Counter(step - int(s) + 1 for _, s in members).items()))
+        return out
+
+    def reclaim_events(
+        self,
+        partition: str,
+        *,
+        group: str,
+        reader: str,
+        min_idle_ms: int,
+        count: int,
+        max_deliveries: int,
+    ) -> tuple[list[Event], int]:
+        """Claims for `reader` the entries of consumer group `group` idle for `min_idle_ms`,
+        moving those delivered `max_deliveries` times to the dead-letter stream. Returns the
+        claimed events and the number dead-lettered. (EventConsumer.read calls this.)"""
+        prefix = self.key_prefix(codec.check_partition_name(partition))
+        raw = self._run(
+            partition,
+            "reclaim",
+            [f"{prefix}events", f"{prefix}dead"],
+            [group, reader, min_idle_ms, count, max_deliveries, self._event_stream_max_len],
+        )
+        events = []
+        for i in range(1, len(raw), 3):
+            fields = dict(zip(raw[i + 2][::2], raw[i + 2][1::2], strict=True))
+            events.append(event_from_entry(raw[i], fields, deliveries=int(raw[i + 1])))
+        return events, int(raw[0])
+
+    def read_events(self, partition: str, start: str = "-", count: int = 1000) -> list[Event]:
+        """The partition's transition log from `start` (an event id, inclusive)."""
+        codec.check_partition_name(partition)
+        entries = self._redis.xrange(f"{self.key_prefix(partition)}events", start, "+", count)
+        return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
+
+    def check_durability(self) -> None:
+        """Raises DurabilityError unless the server runs with AOF and the configured fsync policy.
+        A server that hides CONFIG (managed Redis) gets a warning instead."""
+        try:
+            config = self._redis.config_get("append*")
+        except redis.ResponseError as exc:
+            log.warning("cannot read the Redis config to check durability (%s)", exc)
+            return
+        appendonly = config.get(b"appendonly", config.get("appendonly"))
+        fsync = config.get(b"appendfsync", config.get("appendfsync"))
+        appendonly = appendonly.decode() if isinstance(appendonly, bytes) else appendonly
+        fsync = fsync.decode() if isinstance(fsync, bytes) else fsync
+        if appendonly != "yes" or fsync != self._durability:
+            raise DurabilityError(
+                f"Redis runs with appendonly={appendonly} appendfsync={fsync}, but the "
+                f"TransferQueue expects appendonly=yes appendfsync={self._durability}: "
+                "configure the server (or set tq.durability to match)"
+            )
+
+
+def _put_result(keys: list[str], flags: list[int]) -> PutResult:
+    created = [k for k, f in zip(keys, flags, strict=True) if f]
+    duplicates = [k for k, f in zip(keys, flags, strict=True) if not f]
+    return PutResult(created, duplicates)
+
+
+def event_from_entry(
+    entry_id: bytes | str, fields: Mapping[bytes, bytes], deliveries: int = 1
+) -> Event:
+    decoded = {k.decode(): v.decode() for k, v in fields.items()}
+    return Event(
+        id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+        kind=decoded.pop("kind", ""),
+        key=decoded.pop("key", ""),
+        from_status=decoded.pop("from", ""),
+        to_status=decoded.pop("to", ""),
+        deliveries=deliveries,
+        extra=decoded,
+    )

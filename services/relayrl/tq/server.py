@@ -1,0 +1,150 @@
+"""A private redis-server process with AOF on its own data directory, tracked by PID.
+
+Used by the test fixtures, the benchmarks and `relayrl up`: each gets a server it can kill and
+restart on the same data directory, never the machine's shared Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Literal
+
+import redis
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RedisServerError(RuntimeError):
+    pass
+
+
+class RedisServer:
+    """One redis-server child process. Data (AOF) lives under `data_dir`, so a server killed
+    with SIGKILL and started again on the same directory recovers what it had acknowledged."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        appendfsync: Literal["everysec", "always", "no"] = "everysec",
+        executable: str = "redis-server",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.appendfsync = appendfsync
+        self._executable = executable
+        self._extra_args = extra_args
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def _command(self) -> list[str]:
+        binary = shutil.which(self._executable)
+        if binary is None:
+            raise RedisServerError(
+                f"{self._executable} not found on PATH: run `make setup` (installs redis-server)"
+            )
+        return [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            self.appendfsync,
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.log_path),
+            *self._extra_args,
+        ]
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if self._process and self._process.poll() is None:
+            raise RedisServerError(f"redis-server already running (pid {self._process.pid})")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._process = subprocess.Popen(
+            self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        )
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                if self._process is None or self._process.poll() is not None:
+                    raise RedisServerError(
+                        f"redis-server exited at start (code {self._process.returncode}); "
+                        f"see {self.log_path}"
+                    )
+                try:
+                    # LOADING while it replays the AOF: keep waiting.
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    time.sleep(0.02)
+            raise RedisServerError(
+                f"redis-server not ready after {timeout_s}s; see {self.log_path}"
+            )
+        finally:
+            client.close()
+
+    def client(self, **kwargs) -> redis.Redis:
+        return redis.Redis(host=self.host, port=self.port, **kwargs)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM: Redis flushes and fsyncs the AOF, then exits."""
+        self._signal_and_wait(signal.SIGTERM, timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash. Only what reached the AOF survives."""
+        self._signal_and_wait(signal.SIGKILL, 10.0)
+
+    def _signal_and_wait(self, sig: signal.Signals, timeout_s: float) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        os.kill(process.pid, sig)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

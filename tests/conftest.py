@@ -1,0 +1,33 @@
+"""Fixtures shared by the whole suite: private redis-servers and TransferQueues on them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from relayrl.tq import TransferQueue
+from relayrl.tq.server import RedisServer
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server (AOF everysec) on a free loopback port, with its own data dir."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def tq(redis_server: RedisServer) -> Iterator[TransferQueue]:
+    queue = TransferQueue(redis_server.client())
+    queue.create_partition("train")
+    queue.create_partition("val")
+    try:
+        yield queue
+    finally:
+        queue.close()
