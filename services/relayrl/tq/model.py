@@ -41,33 +41,38 @@ class TrajectoryStatus(enum.StrEnum):
 
 G, T = GroupStatus, TrajectoryStatus
 
-# Every legal group transition, with the TransferQueue method that performs it. `None` is "the
+# Every legal group transition, with the TransferQueue methods that perform it. `None` is "the
 # key does not exist yet". The Lua scripts enforce exactly this table: operations that start
-# from a set of statuses receive it from `allowed_from`.
-GROUP_TRANSITIONS: dict[tuple[GroupStatus | None, GroupStatus], str] = {
-    (None, G.PENDING): "put_groups",
-    (G.PENDING, G.RUNNING): "claim_groups",
-    (G.RUNNING, G.PENDING): "release_groups, requeue_expired",
-    (G.RUNNING, G.FINISHED): "put_trajectories (the group's last sample)",
-    (G.RUNNING, G.FAILED): "fail_groups",
-    (G.FAILED, G.PENDING): "reissue_groups",
-    (G.FINISHED, G.SCORED): "score_trajectories / put_trajectories (the last sample settles)",
-    (G.SCORED, G.CONSUMED): "consume",
-    (G.CONSUMED, G.SCORED): "reset_consumption",
-    (G.FINISHED, G.DROPPED): "drop_groups",
-    (G.SCORED, G.DROPPED): "drop_groups",
+# from a set of statuses receive it from `sources_of`.
+GROUP_TRANSITIONS: dict[tuple[GroupStatus | None, GroupStatus], tuple[str, ...]] = {
+    (None, G.PENDING): ("put_groups",),
+    (G.PENDING, G.RUNNING): ("claim_groups",),
+    (G.RUNNING, G.PENDING): ("release_groups", "requeue_expired"),
+    (G.RUNNING, G.FINISHED): ("put_trajectories",),  # with the group's last sample
+    (G.RUNNING, G.FAILED): ("fail_groups",),
+    (G.FAILED, G.PENDING): ("reissue_groups",),
+    # when the last sample settles (is scored, or was put as failed)
+    (G.FINISHED, G.SCORED): ("score_trajectories", "put_trajectories"),
+    (G.SCORED, G.CONSUMED): ("consume",),
+    (G.CONSUMED, G.SCORED): ("reset_consumption",),
+    (G.FINISHED, G.DROPPED): ("drop_groups",),
+    (G.SCORED, G.DROPPED): ("drop_groups",),
 }
 
-TRAJECTORY_TRANSITIONS: dict[tuple[TrajectoryStatus | None, TrajectoryStatus], str] = {
-    (None, T.FINISHED): "put_trajectories",
-    (None, T.FAILED): "put_trajectories (failed=True)",
-    (T.FINISHED, T.SCORED): "score_trajectories",
+TRAJECTORY_TRANSITIONS: dict[tuple[TrajectoryStatus | None, TrajectoryStatus], tuple[str, ...]] = {
+    (None, T.FINISHED): ("put_trajectories",),
+    (None, T.FAILED): ("put_trajectories",),  # TrajectoryPut(failed=True)
+    (T.FINISHED, T.SCORED): ("score_trajectories",),
 }
 
 
-def allowed_from(target: GroupStatus) -> list[GroupStatus]:
-    """Statuses a group may be in to move to `target`, in a stable order."""
-    return [src for (src, dst) in GROUP_TRANSITIONS if dst is target and src is not None]
+def sources_of(operation: str) -> list[GroupStatus]:
+    """Statuses a group may be in for `operation` (a TransferQueue method name)."""
+    return [
+        src
+        for (src, _), operations in GROUP_TRANSITIONS.items()
+        if operation in operations and src is not None
+    ]
 
 
 # Reward statuses that mean "the scorer's infrastructure failed", not "the policy failed".

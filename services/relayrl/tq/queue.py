@@ -46,7 +46,7 @@ from relayrl.tq.model import (
     PutResult,
     TrajectoryPut,
     TrajectoryStatus,
-    allowed_from,
+    sources_of,
 )
 from relayrl.tq.scripts import load_scripts, translate_error
 
@@ -283,17 +283,23 @@ class TransferQueue:
     ) -> int:
         """Failed groups back to pending, optionally re-stamped with the current step."""
         step = -1 if prompt_step is None else _positive_int(prompt_step, "prompt_step", 0)
-        return self._move(partition, uids, GroupStatus.PENDING, "reissued", step)
+        return self._move(partition, uids, "reissue_groups", GroupStatus.PENDING, "reissued", step)
 
     def drop_groups(self, partition: str, uids: Iterable[str], reason: str) -> int:
         """Evicts finished or scored groups (too stale, no training signal)."""
-        return self._move(partition, uids, GroupStatus.DROPPED, reason, -1)
+        return self._move(partition, uids, "drop_groups", GroupStatus.DROPPED, reason, -1)
 
     def _move(
-        self, partition: str, uids: Iterable[str], target: GroupStatus, reason: str, step: int
+        self,
+        partition: str,
+        uids: Iterable[str],
+        operation: str,
+        target: GroupStatus,
+        reason: str,
+        step: int,
     ) -> int:
         keys = _unique((codec.check_uid(u) for u in uids), "group")
-        sources = ",".join(allowed_from(target))
+        sources = ",".join(sources_of(operation))
         return self._call(
             partition, "move_groups", target.value, sources, reason, step, len(keys), *keys
         )
