@@ -21,7 +21,7 @@ import redis
 from relayrl.tq import codec
 from relayrl.tq.errors import InvalidInputError
 from relayrl.tq.model import Event
-from relayrl.tq.queue import TQUnavailableError, TransferQueue, event_from_entry
+from relayrl.tq.queue import TransferQueue, event_from_entry, unavailable_as_tq_error
 
 
 class EventConsumer:
@@ -62,7 +62,8 @@ class EventConsumer:
 
     def _ensure_group(self, start_id: str) -> None:
         try:
-            self._redis.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
+            with unavailable_as_tq_error():
+                self._redis.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -72,7 +73,7 @@ class EventConsumer:
         new ones (waiting up to `block_s` when there is nothing at all)."""
         if count < 1:
             raise InvalidInputError(f"count must be >= 1, got {count}")
-        try:
+        with unavailable_as_tq_error():
             events = self._reclaim(count)
             if len(events) < count:
                 block_ms = None if events else max(1, round(block_s * 1000))
@@ -86,8 +87,6 @@ class EventConsumer:
                 for _, entries in reply or []:
                     events += [event_from_entry(i, f) for i, f in entries if f is not None]
             return self._drop_unwanted(events)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
 
     def _reclaim(self, count: int) -> list[Event]:
         events, _ = self._tq.reclaim_events(
@@ -110,12 +109,17 @@ class EventConsumer:
 
     def ack(self, events: Iterable[Event | str]) -> int:
         ids = [e.id if isinstance(e, Event) else e for e in events]
-        return int(self._redis.xack(self.stream, self.group, *ids)) if ids else 0
+        if not ids:
+            return 0
+        with unavailable_as_tq_error():
+            return int(self._redis.xack(self.stream, self.group, *ids))
 
     def pending_count(self) -> int:
         """Entries delivered to this group and not yet acknowledged (any reader)."""
-        return int(self._redis.xpending(self.stream, self.group)["pending"])
+        with unavailable_as_tq_error():
+            return int(self._redis.xpending(self.stream, self.group)["pending"])
 
     def dead_letters(self, count: int = 100) -> list[Event]:
-        entries = self._redis.xrange(self.dead_stream, "-", "+", count)
+        with unavailable_as_tq_error():
+            entries = self._redis.xrange(self.dead_stream, "-", "+", count)
         return [event_from_entry(i, f) for i, f in entries]

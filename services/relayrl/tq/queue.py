@@ -21,10 +21,11 @@ on one shard):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -59,6 +60,15 @@ class TQUnavailableError(TQError, ConnectionError):
 
 class DurabilityError(TQError):
     """The Redis server is not configured for the durability the queue was promised."""
+
+
+@contextlib.contextmanager
+def unavailable_as_tq_error() -> Iterator[None]:
+    """Turns a lost or stuck Redis connection into TQUnavailableError (one clear message)."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
 
 
 def _positive_int(value: object, name: str, minimum: int = 1) -> int:
@@ -160,27 +170,27 @@ class TransferQueue:
 
     def _run(self, partition: str, script: str, keys: list[str], argv: list[Any]) -> Any:
         try:
-            return self._scripts[script](keys=keys, args=argv)
+            with unavailable_as_tq_error():
+                return self._scripts[script](keys=keys, args=argv)
         except redis.ResponseError as exc:
             raise translate_error(partition, exc) from None
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
 
     def _pipeline_execute(self, pipe: redis.client.Pipeline) -> list[Any]:
-        try:
+        with unavailable_as_tq_error():
             return pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
 
     # -- partitions -----------------------------------------------------------------------
 
     def create_partition(self, partition: str) -> bool:
         """Creates a partition; returns False when it already existed."""
         codec.check_partition_name(partition)
-        return bool(self._redis.sadd(self._partitions_key(), partition))
+        with unavailable_as_tq_error():
+            return bool(self._redis.sadd(self._partitions_key(), partition))
 
     def partitions(self) -> list[str]:
-        return sorted(p.decode() for p in self._redis.smembers(self._partitions_key()))
+        with unavailable_as_tq_error():
+            members = self._redis.smembers(self._partitions_key())
+        return sorted(p.decode() for p in members)
 
     # -- prompt groups --------------------------------------------------------------------
 
@@ -488,14 +498,23 @@ class TransferQueue:
     def read_events(self, partition: str, start: str = "-", count: int = 1000) -> list[Event]:
         """The partition's transition log from `start` (an event id, inclusive)."""
         codec.check_partition_name(partition)
-        entries = self._redis.xrange(f"{self.key_prefix(partition)}events", start, "+", count)
+        with unavailable_as_tq_error():
+            entries = self._redis.xrange(f"{self.key_prefix(partition)}events", start, "+", count)
         return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
+
+    def last_events(self, partition: str, count: int = 20) -> list[Event]:
+        """The partition's last `count` transitions, oldest first."""
+        codec.check_partition_name(partition)
+        with unavailable_as_tq_error():
+            entries = self._redis.xrevrange(f"{self.key_prefix(partition)}events", count=count)
+        return [event_from_entry(entry_id, fields) for entry_id, fields in reversed(entries)]
 
     def check_durability(self) -> None:
         """Raises DurabilityError unless the server runs with AOF and the configured fsync policy.
         A server that hides CONFIG (managed Redis) gets a warning instead."""
         try:
-            config = self._redis.config_get("append*")
+            with unavailable_as_tq_error():
+                config = self._redis.config_get("append*")
         except redis.ResponseError as exc:
             log.warning("cannot read the Redis config to check durability (%s)", exc)
             return
