@@ -1,0 +1,555 @@
+"""Typed service configuration: a YAML file, then environment overrides, then validation.
+
+Every service's config is a tree of `StrictModel`s (unknown keys are errors, every field has a
+description and bounds). `load_config` is the one way to build it, so a deployment can set any
+field from a Helm value, a mounted file or an environment variable, and every mistake ends in a
+`ConfigError` whose single line names the file or variable and the field path:
+
+    config.yaml: grpc.port: Input should be less than or equal to 65535
+    env RELAYRL_REWARD__GRPC__PROT: unknown field grpc.prot (known: host, port, ...)
+
+Environment overrides are `<PREFIX>__A__B=value`: double underscores separate nesting levels,
+field names match case-insensitively, and values are parsed as YAML scalars (`8080`, `true`,
+`[a, b]`), except that fields typed as strings keep the raw text (a host named `0` stays "0").
+
+This module imports nothing heavier than pydantic and PyYAML, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+MIB = 1024 * 1024
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # gRPC core stores message limits in a signed 32-bit int
+MIN_TOKEN_CHARS = 16
+
+HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+REFLECTION_METHODS = (
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+)
+DEFAULT_EXEMPT_METHODS = (*HEALTH_METHODS, *REFLECTION_METHODS)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or environment override; the message is one line that
+    names the file or variable and the field path, so it can be fixed without reading code."""
+
+
+class StrictModel(BaseModel):
+    """Base of every config section: a misspelt key is an error, not a silently ignored one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class GrpcServerConfig(StrictModel):
+    """How a service's gRPC server listens (`grpc:` section)."""
+
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Interface to bind. 127.0.0.1 keeps a local run private; use 0.0.0.0 (or ::) "
+        "in a pod.",
+    )
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one (logged).")
+    max_message_bytes: int = Field(
+        64 * MIB,
+        ge=1024,
+        le=MAX_GRPC_MESSAGE_BYTES,
+        description="Largest message sent or received; trajectories and weight buckets are big.",
+    )
+    keepalive_time_s: float = Field(
+        30.0, ge=1.0, le=86_400.0, description="Interval of server keepalive pings to clients."
+    )
+    keepalive_timeout_s: float = Field(
+        10.0,
+        ge=0.1,
+        le=3600.0,
+        description="How long to wait for a ping ack before closing the connection.",
+    )
+    min_ping_interval_s: float = Field(
+        10.0,
+        ge=0.0,
+        le=3600.0,
+        description="Shortest client ping interval accepted without data; clients pinging "
+        "faster are sent GOAWAY (too_many_pings). Keep it <= the clients' keepalive_time_s.",
+    )
+    keepalive_permit_without_calls: bool = Field(
+        True, description="Accept and send keepalive pings while no call is active."
+    )
+    grace_s: float = Field(
+        10.0,
+        ge=0.0,
+        le=3600.0,
+        description="On SIGTERM, how long in-flight calls may run before they are cancelled. "
+        "Keep it below the pod's terminationGracePeriodSeconds.",
+    )
+    max_concurrent_rpcs: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Calls beyond this many in flight are rejected with RESOURCE_EXHAUSTED; "
+        "null means unlimited.",
+    )
+
+
+class GrpcClientConfig(StrictModel):
+    """How a service calls another one (a peer's section, e.g. `weightsync_client:`)."""
+
+    target: str = Field(min_length=1, description="gRPC target, e.g. `dns:///weightsync:50051`.")
+    max_message_bytes: int = Field(
+        64 * MIB,
+        ge=1024,
+        le=MAX_GRPC_MESSAGE_BYTES,
+        description="Largest message sent or received.",
+    )
+    keepalive_time_s: float = Field(
+        30.0,
+        ge=1.0,
+        le=86_400.0,
+        description="Interval of client keepalive pings; must be >= the server's "
+        "min_ping_interval_s.",
+    )
+    keepalive_timeout_s: float = Field(
+        10.0, ge=0.1, le=3600.0, description="How long to wait for a ping ack."
+    )
+    default_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        le=86_400.0,
+        description="Deadline given to a call that sets none: no call waits forever.",
+    )
+
+
+class MetricsConfig(StrictModel):
+    """Where the service serves Prometheus `/metrics` (`metrics:` section)."""
+
+    enabled: bool = Field(True, description="Serve /metrics over HTTP.")
+    host: str = Field("127.0.0.1", min_length=1, description="Interface to bind; 0.0.0.0 in a pod.")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one (logged).")
+
+
+class NoAuthConfig(StrictModel):
+    """Every caller is accepted (local runs, or a mesh that authenticates for us)."""
+
+    type: Literal["none"] = Field("none", description="Authentication backend.")
+
+
+class StaticTokenAuthConfig(StrictModel):
+    """Callers send `authorization: Bearer <token>`; each token names one principal.
+
+    The principal -> token mapping comes from exactly one of: a YAML file (a mounted Secret),
+    an environment variable holding the same YAML mapping, or inline `tokens` (works, but puts
+    secrets into the config file; a warning is logged)."""
+
+    type: Literal["static_token"] = Field(description="Authentication backend.")
+    tokens_file: Path | None = Field(
+        None, description="YAML file with a mapping principal -> token."
+    )
+    tokens_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding a YAML mapping principal -> token, e.g. "
+        "`{alice: s3cr3t...}`.",
+    )
+    tokens: dict[str, SecretStr] | None = Field(
+        None, description="Inline mapping principal -> token (discouraged: secrets in config)."
+    )
+    exempt_methods: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_EXEMPT_METHODS),
+        description="Full method names (`/pkg.Service/Method`, or `/pkg.Service/*`) callable "
+        "without a token; health and reflection by default so probes keep working.",
+    )
+
+    @field_validator("exempt_methods")
+    @classmethod
+    def _method_names(cls, methods: list[str]) -> list[str]:
+        for method in methods:
+            if not method.startswith("/") or method.count("/") != 2:
+                raise ValueError(
+                    f"{method!r} is not a full method name; write /package.Service/Method "
+                    "or /package.Service/*"
+                )
+        return methods
+
+    @model_validator(mode="after")
+    def _one_source(self) -> StaticTokenAuthConfig:
+        sources = [
+            name
+            for name in ("tokens_file", "tokens_env", "tokens")
+            if getattr(self, name) is not None
+        ]
+        if len(sources) != 1:
+            raise ValueError(
+                "set exactly one of tokens_file, tokens_env or tokens "
+                f"(got {', '.join(sources) or 'none'})"
+            )
+        return self
+
+
+AuthConfig = Annotated[NoAuthConfig | StaticTokenAuthConfig, Field(discriminator="type")]
+
+
+class LoggingConfig(StrictModel):
+    """How the service logs (`logging:` section)."""
+
+    # `json` is the YAML key; the attribute is json_lines because BaseModel.json exists.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="Lowest level written (case-insensitive)."
+    )
+    json_lines: bool = Field(
+        False,
+        alias="json",
+        description="One JSON object per line (for log shippers) instead of plain text.",
+    )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, level: object) -> object:
+        return level.upper() if isinstance(level, str) else level
+
+
+class ServiceConfig(StrictModel):
+    """Sections every service has; a service's config subclasses this and adds its own."""
+
+    grpc: GrpcServerConfig = Field(
+        default_factory=GrpcServerConfig, description="gRPC server listener."
+    )
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="Prometheus /metrics endpoint."
+    )
+    auth: AuthConfig = Field(
+        default_factory=NoAuthConfig, description="How callers authenticate (by `type`)."
+    )
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Log output.")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ServiceConfig:
+        if (
+            self.metrics.enabled
+            and self.grpc.port != 0
+            and self.grpc.port == self.metrics.port
+            and self.grpc.host == self.metrics.host
+        ):
+            raise ValueError(
+                f"grpc.port and metrics.port are both {self.grpc.port} on {self.grpc.host}; "
+                "give them different ports"
+            )
+        return self
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def load_config(
+    model_cls: type[ModelT],
+    path: str | Path | None,
+    env_prefix: str,
+    environ: Mapping[str, str] = os.environ,
+) -> ModelT:
+    """Build `model_cls` from the YAML at `path` (None or "" → defaults), then the
+    `<env_prefix>__...` variables in `environ`; raise ConfigError for any user mistake."""
+    if not env_prefix or "__" in env_prefix:
+        raise ValueError(f"env_prefix must be non-empty without '__', got {env_prefix!r}")
+    file_label = str(path) if path else "config"
+    data = _read_yaml_file(Path(path)) if path else {}
+    sources = _apply_env_overrides(model_cls, data, env_prefix, environ)
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe_errors(model_cls, exc, file_label, sources)) from None
+
+
+def dump_config(model: BaseModel) -> str:
+    """The effective config as YAML (secrets masked), for `--print-config` and logs."""
+    return yaml.safe_dump(
+        model.model_dump(mode="json", by_alias=True), sort_keys=False, allow_unicode=True
+    )
+
+
+def _read_yaml_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    data = _parse_yaml(text, str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
+        )
+    return data
+
+
+def _parse_yaml(text: str, label: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{label}: invalid YAML{where}: {problem}") from None
+
+
+# --- environment overrides -------------------------------------------------------------------
+
+
+def _apply_env_overrides(
+    model_cls: type[BaseModel],
+    data: dict[str, Any],
+    env_prefix: str,
+    environ: Mapping[str, str],
+) -> dict[tuple[str, ...], str]:
+    """Write every `<prefix>__...` variable into `data`; return field path → variable name so
+    validation errors can name the variable that caused them."""
+    marker = env_prefix + "__"
+    sources: dict[tuple[str, ...], str] = {}
+    for key in sorted(k for k in environ if k.startswith(marker)):
+        label = f"env {key}"
+        parts = key[len(marker) :].split("__")
+        if not all(parts):
+            raise ConfigError(f"{label}: empty field name (a '___' or trailing '__'?)")
+        field_path, annotation = _resolve_env_path(model_cls, parts, label)
+        _set_nested(data, field_path, _env_value(environ[key], annotation, label))
+        sources[field_path] = key
+    return sources
+
+
+def _resolve_env_path(
+    model_cls: type[BaseModel], parts: list[str], label: str
+) -> tuple[tuple[str, ...], Any]:
+    path: list[str] = []
+    annotation: Any = model_cls
+    for part in parts:
+        models = _models_in(annotation)
+        if models:
+            name, annotation = _match_field(models, part, path, label)
+            path.append(name)
+        elif (value_type := _mapping_value_type(annotation)) is not None:
+            path.append(part)
+            annotation = value_type
+        else:
+            raise ConfigError(f"{label}: {'.'.join(path)} has no sub-field {part.lower()!r}")
+    return tuple(path), annotation
+
+
+def _match_field(
+    models: list[type[BaseModel]], part: str, path: list[str], label: str
+) -> tuple[str, Any]:
+    known: list[str] = []
+    for model in models:
+        for name, info in model.model_fields.items():
+            names = {name.lower()} | ({info.alias.lower()} if info.alias else set())
+            if part.lower() in names:
+                return info.alias or name, info.annotation
+            known.append(info.alias or name)
+    dotted = ".".join([*path, part.lower()])
+    unique = ", ".join(dict.fromkeys(known))
+    raise ConfigError(f"{label}: unknown field {dotted} (known: {unique})")
+
+
+def _env_value(raw: str, annotation: Any, label: str) -> Any:
+    """Parse as a YAML scalar so numbers, booleans and lists work; keep raw text for string
+    fields because YAML would turn `0123` or `yes` into a number or a boolean."""
+    if _is_string_field(annotation) and not (_allows_none(annotation) and raw in ("null", "~")):
+        return raw
+    if raw == "":
+        return ""
+    return _parse_yaml(raw, label)
+
+
+def _set_nested(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    node = data
+    for name in path[:-1]:
+        child = node.get(name)
+        if not isinstance(child, dict):
+            child = {}
+            node[name] = child
+        node = child
+    node[path[-1]] = value
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The alternatives of an annotation, without Annotated/Optional wrappers."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return [alt for arg in typing.get_args(annotation) for alt in _unwrap(arg)]
+    return [annotation]
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    return [
+        alt for alt in _unwrap(annotation) if isinstance(alt, type) and issubclass(alt, BaseModel)
+    ]
+
+
+def _mapping_value_type(annotation: Any) -> Any | None:
+    for alt in _unwrap(annotation):
+        if typing.get_origin(alt) in (dict, Mapping):
+            return typing.get_args(alt)[1]
+    return None
+
+
+def _allows_none(annotation: Any) -> bool:
+    return type(None) in _unwrap(annotation)
+
+
+def _is_string_field(annotation: Any) -> bool:
+    alts = [alt for alt in _unwrap(annotation) if alt is not type(None)]
+    return bool(alts) and all(alt in (str, Path, SecretStr) for alt in alts)
+
+
+# --- error messages --------------------------------------------------------------------------
+
+
+def _describe_errors(
+    model_cls: type[BaseModel],
+    exc: ValidationError,
+    file_label: str,
+    sources: dict[tuple[str, ...], str],
+) -> str:
+    """One line per config, `source: field.path: message`, errors joined with '; '."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = _field_loc(model_cls, error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message += _known_fields_hint(model_cls, loc[:-1])
+        dotted = ".".join(str(part) for part in loc) or "(top level)"
+        lines.append(f"{_source_of(loc, file_label, sources)}: {dotted}: {message}")
+    return "; ".join(lines)
+
+
+def _field_loc(model_cls: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """Drop the discriminator tags pydantic puts into locations of tagged unions
+    (`auth.static_token.tokens_file` → `auth.tokens_file`), which are not YAML keys."""
+    cleaned: list[int | str] = []
+    annotation: Any = model_cls
+    for part in loc:
+        models = _models_in(annotation)
+        if len(models) > 1 and part in _tags(models):
+            annotation = _tags(models)[part]
+            continue
+        cleaned.append(part)
+        annotation = _child_annotation(annotation, part)
+    return tuple(cleaned)
+
+
+def _tags(models: list[type[BaseModel]]) -> dict[Any, type[BaseModel]]:
+    tags: dict[Any, type[BaseModel]] = {}
+    for model in models:
+        info = model.model_fields.get("type")
+        if info is not None and typing.get_origin(info.annotation) is Literal:
+            tags.update(dict.fromkeys(typing.get_args(info.annotation), model))
+    return tags
+
+
+def _child_annotation(annotation: Any, part: int | str) -> Any:
+    for model in _models_in(annotation):
+        for name, info in model.model_fields.items():
+            if part in (name, info.alias):
+                return info.annotation
+    for alt in _unwrap(annotation):
+        args = typing.get_args(alt)
+        if typing.get_origin(alt) in (dict, Mapping):
+            return args[1]
+        if typing.get_origin(alt) in (list, tuple) and args:
+            return args[0]
+    return None
+
+
+def _known_fields_hint(model_cls: type[BaseModel], parent: tuple[int | str, ...]) -> str:
+    annotation: Any = model_cls
+    for part in parent:
+        annotation = _child_annotation(annotation, part)
+    names = [
+        info.alias or name
+        for model in _models_in(annotation)
+        for name, info in model.model_fields.items()
+    ]
+    return f" (known: {', '.join(dict.fromkeys(names))})" if names else ""
+
+
+def _source_of(
+    loc: tuple[int | str, ...], file_label: str, sources: dict[tuple[str, ...], str]
+) -> str:
+    for length in range(len(loc), 0, -1):
+        if (key := sources.get(tuple(str(p) for p in loc[:length]))) is not None:
+            return f"env {key}"
+    below = [key for path, key in sources.items() if path[: len(loc)] == tuple(map(str, loc))]
+    return f"{file_label} (with env {', '.join(below)})" if below else file_label
+
+
+# --- static tokens ---------------------------------------------------------------------------
+
+
+def load_static_tokens(
+    config: StaticTokenAuthConfig, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """Resolve the principal → token mapping from the configured source; raise ConfigError
+    naming the source when it is missing, not a mapping, or holds weak or shared tokens."""
+    if config.tokens is not None:
+        return _check_tokens(
+            {name: secret.get_secret_value() for name, secret in config.tokens.items()},
+            "auth.tokens",
+        )
+    if config.tokens_env is not None:
+        label = f"env {config.tokens_env} (auth.tokens_env)"
+        if config.tokens_env not in environ:
+            raise ConfigError(f"{label}: variable is not set")
+        return _check_tokens(_parse_yaml(environ[config.tokens_env], label), label)
+    assert config.tokens_file is not None  # guaranteed by StaticTokenAuthConfig._one_source
+    label = f"{config.tokens_file} (auth.tokens_file)"
+    try:
+        text = config.tokens_file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{label}: cannot read: {exc.strerror}") from None
+    return _check_tokens(_parse_yaml(text, label), label)
+
+
+def _check_tokens(mapping: Any, label: str) -> dict[str, str]:
+    if not isinstance(mapping, dict) or not mapping:
+        raise ConfigError(f"{label}: expected a non-empty mapping principal -> token")
+    seen: dict[str, str] = {}
+    for principal, token in mapping.items():
+        if not isinstance(principal, str) or not principal:
+            raise ConfigError(f"{label}: principal names must be non-empty strings")
+        if not isinstance(token, str):
+            raise ConfigError(f"{label}: token of {principal!r} must be a string (quote it)")
+        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+            raise ConfigError(
+                f"{label}: token of {principal!r} must be at least {MIN_TOKEN_CHARS} "
+                "characters without whitespace"
+            )
+        if token in seen:
+            raise ConfigError(
+                f"{label}: {principal!r} and {seen[token]!r} share a token; give each "
+                "principal its own"
+            )
+        seen[token] = principal
+    return dict(mapping)

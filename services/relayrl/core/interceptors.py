@@ -1,0 +1,404 @@
+"""Server interceptors shared by every service: request id, logging, metrics, authentication.
+
+Each interceptor contributes a *call scope*: an async context manager entered around the
+handler of every call. `wrap_handler` is the one place that knows the four RPC kinds and the
+two handler styles (coroutine, async generator), so each interceptor is a few lines about its
+own concern and works for unary and streaming calls alike.
+
+Order matters and is fixed by `server_interceptors`: request id first (so every log line of the
+call carries it), then logging and metrics (so rejected calls are logged and counted), then
+authentication, closest to the handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Protocol, assert_never
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from relayrl.core.config import (
+    DEFAULT_EXEMPT_METHODS,
+    HEALTH_METHODS,
+    NoAuthConfig,
+    StaticTokenAuthConfig,
+    load_static_tokens,
+)
+from relayrl.core.logs import REQUEST_ID
+from relayrl.core.metrics import metric_name
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_KEY = "x-request-id"
+AUTHORIZATION_KEY = "authorization"
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+DURATION_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+
+Metadata = Sequence[tuple[str, str | bytes]]
+CallScope = Callable[
+    [grpc.HandlerCallDetails, grpc.aio.ServicerContext], AbstractAsyncContextManager[None]
+]
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling, as established by an Authenticator."""
+
+    name: str
+
+
+PRINCIPAL: ContextVar[Principal | None] = ContextVar("relayrl_principal", default=None)
+
+
+def current_principal() -> Principal | None:
+    """The authenticated caller of the call being served (None without auth)."""
+    return PRINCIPAL.get()
+
+
+# --- the generic handler wrapper -------------------------------------------------------------
+
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def wrap_handler(
+    handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, scope: CallScope
+) -> grpc.RpcMethodHandler:
+    """Return `handler` with `scope(details, context)` entered around every invocation.
+
+    Handlers must be `async def` (returning a response, or writing with context.write) or
+    async generators; a sync handler is refused rather than passed through unwrapped, because
+    skipping the scope would skip authentication."""
+    attr, factory = _KINDS[(handler.request_streaming, handler.response_streaming)]
+    behavior = getattr(handler, attr)
+    wrapped: Callable[..., Any]
+    if inspect.isasyncgenfunction(behavior):
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with scope(details, context):
+                async for response in behavior(request, context):
+                    yield response
+
+    elif inspect.iscoroutinefunction(behavior):
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async with scope(details, context):
+                return await behavior(request, context)
+
+    else:
+        raise TypeError(
+            f"{details.method}: handler {behavior!r} is synchronous; relayrl servers need "
+            "`async def` handlers or async generators"
+        )
+    return factory(
+        wrapped,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def rpc_status(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+    """The status the caller sees for a call that ended with `exc` (None: returned normally)."""
+    if exc is None or isinstance(exc, grpc.aio.AbortError):
+        code = context.code()  # set by context.abort() or context.set_code()
+        if code is not None:
+            return code
+        return grpc.StatusCode.OK if exc is None else grpc.StatusCode.UNKNOWN
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        # gRPC cancels the handler both when the caller gives up and when its deadline passes.
+        remaining_s = context.time_remaining()
+        if remaining_s is not None and remaining_s <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN  # what grpc.aio reports for an unexpected exception
+
+
+class ScopeInterceptor(grpc.aio.ServerInterceptor):
+    """Base: wraps every known method's handler in `self.scope`. Unknown methods (no handler)
+    are left to gRPC, which answers UNIMPLEMENTED; that keeps metric labels bounded."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return wrap_handler(handler, handler_call_details, self.scope)
+
+    def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AbstractAsyncContextManager[None]:
+        raise NotImplementedError
+
+
+# --- request id ------------------------------------------------------------------------------
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def metadata_value(metadata: Metadata | None, key: str) -> str | None:
+    """The first text value of `key` in gRPC metadata (keys arrive lower-cased)."""
+    for item_key, value in metadata or ():
+        if item_key == key and isinstance(value, str):
+            return value
+    return None
+
+
+class RequestIdInterceptor(ScopeInterceptor):
+    """Keeps the caller's `x-request-id` (or makes one), exposes it to logging through the
+    REQUEST_ID contextvar and returns it in the initial metadata, so one id follows a request
+    across services and appears in the caller's error reports.
+
+    The request id is sent as initial metadata before the handler runs, so handlers must not
+    send initial metadata themselves."""
+
+    @asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        given = metadata_value(details.invocation_metadata, REQUEST_ID_KEY)
+        request_id = given if given and _VALID_REQUEST_ID.match(given) else new_request_id()
+        # Not reset afterwards: grpc.aio serves every call in its own task, hence its own copy
+        # of the context, and a reset from a finalised async generator would run elsewhere.
+        REQUEST_ID.set(request_id)
+        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
+        yield
+
+
+# --- logging ---------------------------------------------------------------------------------
+
+
+class LoggingInterceptor(ScopeInterceptor):
+    """One line per call: method, status code, duration and principal (the request id comes
+    from the log filter). Non-OK calls are WARNING; an unexpected exception is ERROR with its
+    traceback, since gRPC itself only tells the caller "Unexpected <type>"."""
+
+    def __init__(
+        self,
+        log: logging.Logger | None = None,
+        ok_level: int = logging.INFO,
+        quiet_methods: Iterable[str] = HEALTH_METHODS,
+    ) -> None:
+        self._log = log or logger
+        self._ok_level = ok_level
+        self._quiet_methods = frozenset(quiet_methods)  # probes every few seconds: DEBUG
+
+    @asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        start_s = time.perf_counter()
+        try:
+            yield
+        except BaseException as exc:
+            self._log_call(details.method, rpc_status(context, exc), start_s, exc)
+            raise
+        self._log_call(details.method, rpc_status(context, None), start_s, None)
+
+    def _log_call(
+        self, method: str, code: grpc.StatusCode, start_s: float, exc: BaseException | None
+    ) -> None:
+        duration_ms = (time.perf_counter() - start_s) * 1000.0
+        principal = PRINCIPAL.get()
+        fields = {
+            "grpc_method": method,
+            "grpc_code": code.name,
+            "duration_ms": round(duration_ms, 3),
+            "principal": principal.name if principal else None,
+        }
+        message = "rpc %s code=%s duration_ms=%.1f principal=%s"
+        args = (method, code.name, duration_ms, fields["principal"] or "-")
+        if code is grpc.StatusCode.OK:
+            level = logging.DEBUG if method in self._quiet_methods else self._ok_level
+            self._log.log(level, message, *args, extra=fields)
+        elif code is grpc.StatusCode.UNKNOWN and exc is not None:
+            self._log.error(message + " (unexpected exception)", *args, exc_info=exc, extra=fields)
+        else:
+            self._log.warning(message, *args, extra=fields)
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+class MetricsInterceptor(ScopeInterceptor):
+    """Request count, latency and errors per method into the service's own registry:
+    `relayrl_<service>_grpc_requests_total{method,code}`,
+    `relayrl_<service>_grpc_request_duration_seconds{method}`,
+    `relayrl_<service>_grpc_errors_total{method,code}` (non-OK only)."""
+
+    def __init__(self, registry: CollectorRegistry, service_name: str) -> None:
+        self._requests = Counter(
+            metric_name(service_name, "grpc_requests", "total"),
+            "gRPC calls handled, by full method name and status code.",
+            ["method", "code"],
+            registry=registry,
+        )
+        self._duration = Histogram(
+            metric_name(service_name, "grpc_request_duration", "seconds"),
+            "Time from the handler's start to its end (streams: the whole stream).",
+            ["method"],
+            registry=registry,
+            buckets=DURATION_BUCKETS_S,
+        )
+        self._errors = Counter(
+            metric_name(service_name, "grpc_errors", "total"),
+            "gRPC calls that ended with a non-OK status, by method and code.",
+            ["method", "code"],
+            registry=registry,
+        )
+
+    @asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        start_s = time.perf_counter()
+        try:
+            yield
+        except BaseException as exc:
+            self._record(details.method, rpc_status(context, exc), start_s)
+            raise
+        self._record(details.method, rpc_status(context, None), start_s)
+
+    def _record(self, method: str, code: grpc.StatusCode, start_s: float) -> None:
+        self._duration.labels(method=method).observe(time.perf_counter() - start_s)
+        self._requests.labels(method=method, code=code.name).inc()
+        if code is not grpc.StatusCode.OK:
+            self._errors.labels(method=method, code=code.name).inc()
+
+
+# --- authentication --------------------------------------------------------------------------
+
+
+class Authenticator(Protocol):
+    """Decides who is calling from the call's metadata."""
+
+    @property
+    def credentials_hint(self) -> str:
+        """What a rejected caller should send, e.g. "metadata 'authorization: Bearer <token>'"."""
+        ...
+
+    def authenticate(self, method: str, metadata: Metadata) -> Principal | None:
+        """The caller's principal, or None to reject the call with UNAUTHENTICATED."""
+        ...
+
+
+def bearer_token(metadata: Metadata | None) -> str | None:
+    """The token of an `authorization: Bearer <token>` entry (scheme case-insensitive)."""
+    value = metadata_value(metadata, AUTHORIZATION_KEY)
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class StaticTokenAuthenticator:
+    """Fixed principal → token table (from a mounted Secret); enough for service-to-service
+    calls and for a few teams calling the reward-service."""
+
+    credentials_hint = f"metadata '{AUTHORIZATION_KEY}: Bearer <token>'"
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        if not tokens:
+            raise ValueError("StaticTokenAuthenticator needs at least one principal -> token")
+        self._tokens = {principal: token.encode() for principal, token in tokens.items()}
+
+    def authenticate(self, method: str, metadata: Metadata) -> Principal | None:
+        token = bearer_token(metadata)
+        if token is None:
+            return None
+        given = token.encode()
+        match = None
+        # Compare against every token so the time taken does not reveal which one is closest.
+        for principal, expected in self._tokens.items():
+            if hmac.compare_digest(given, expected):
+                match = principal
+        return Principal(match) if match is not None else None
+
+
+def build_authenticator(
+    config: NoAuthConfig | StaticTokenAuthConfig, environ: Mapping[str, str] = os.environ
+) -> Authenticator | None:
+    """The authenticator an `auth:` section asks for (None: every caller is accepted)."""
+    if isinstance(config, NoAuthConfig):
+        return None
+    if isinstance(config, StaticTokenAuthConfig):
+        if config.tokens is not None:
+            logger.warning(
+                "auth.tokens puts secrets into the config file; prefer auth.tokens_file "
+                "(a mounted Secret) or auth.tokens_env"
+            )
+        return StaticTokenAuthenticator(load_static_tokens(config, environ))
+    assert_never(config)
+
+
+class AuthInterceptor(ScopeInterceptor):
+    """Rejects calls the authenticator does not accept with UNAUTHENTICATED, saying what to
+    send; exempt methods (health, reflection by default) stay open so probes work. The
+    principal is available to handlers through `current_principal()`."""
+
+    def __init__(
+        self, authenticator: Authenticator, exempt_methods: Iterable[str] = DEFAULT_EXEMPT_METHODS
+    ) -> None:
+        self._authenticator = authenticator
+        self._exempt = frozenset(exempt_methods)
+
+    def is_exempt(self, method: str) -> bool:
+        service, _, _ = method.rpartition("/")
+        return method in self._exempt or f"{service}/*" in self._exempt
+
+    @asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        if not self.is_exempt(details.method):
+            metadata = details.invocation_metadata or ()
+            principal = self._authenticator.authenticate(details.method, metadata)
+            if principal is None:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{details.method} needs credentials: send "
+                    f"{self._authenticator.credentials_hint}",
+                )
+            PRINCIPAL.set(principal)  # per-call task context, see RequestIdInterceptor
+        yield
+
+
+def server_interceptors(
+    service_name: str,
+    registry: CollectorRegistry,
+    authenticator: Authenticator | None = None,
+    exempt_methods: Iterable[str] = DEFAULT_EXEMPT_METHODS,
+) -> list[grpc.aio.ServerInterceptor]:
+    """The standard chain, outermost first: request id, logging, metrics, auth."""
+    chain: list[grpc.aio.ServerInterceptor] = [
+        RequestIdInterceptor(),
+        LoggingInterceptor(logging.getLogger(f"relayrl.{service_name}.grpc")),
+        MetricsInterceptor(registry, service_name),
+    ]
+    if authenticator is not None:
+        chain.append(AuthInterceptor(authenticator, exempt_methods))
+    return chain
