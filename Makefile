@@ -14,7 +14,7 @@ SETUP_STAMP := $(VENV)/.relayrl-setup
 PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos test test-unit test-integration lint bench bench-tq run lock clean
+.PHONY: help setup protos contract test test-unit test-integration lint bench bench-tq run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -39,6 +39,9 @@ $(PROTO_STAMP): $(PROTO_SOURCES) $(SETUP_STAMP)
 protos: $(SETUP_STAMP) ## regenerate _pb2 / _pb2_grpc / .pyi code from protos/ (also run by setup)
 	$(BIN)/python -m relayrl.core.protogen generate
 
+contract: $(SETUP_STAMP) ## record the v1 contract after an additive proto change (check refuses breaking ones)
+	$(BIN)/python -m relayrl.core.protogen snapshot
+
 test: setup ## run the whole test suite (what CI runs)
 	$(BIN)/python -m pytest
 
@@ -48,7 +51,7 @@ test-unit: setup ## run the pure-logic unit tests only
 test-integration: setup ## run the tests against real redis-server, gRPC servers and processes
 	$(BIN)/python -m pytest tests/integration
 
-lint: setup ## ruff check + format check, and check that every proto compiles
+lint: setup ## ruff check + format check; every proto compiles and v1 changed additively only
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
 	$(BIN)/python -m relayrl.core.protogen check
