@@ -27,7 +27,12 @@ from relayrl.tq.model import (
     TrajectoryPut,
     TrajectoryStatus,
 )
-from relayrl.tq.queue import DurabilityError, TQUnavailableError, TransferQueue
+from relayrl.tq.queue import (
+    DurabilityError,
+    TQAuthenticationError,
+    TQUnavailableError,
+    TransferQueue,
+)
 
 __all__ = [
     "GROUP_TRANSITIONS",
@@ -46,6 +51,7 @@ __all__ = [
     "InvalidInputError",
     "PutResult",
     "StaleClaimError",
+    "TQAuthenticationError",
     "TQConfig",
     "TQError",
     "TQStateError",

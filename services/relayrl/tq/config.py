@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from relayrl.core.config import StrictModel
 from relayrl.tq.codec import check_partition_name
 
 
-class TQConfig(BaseModel):
+class TQConfig(StrictModel):
     """Where the TransferQueue lives and how it is used. Every service that touches the queue
     has this section (`tq:`) in its config."""
-
-    model_config = ConfigDict(extra="forbid")
 
     url: str = Field(
         "redis://127.0.0.1:6379/0",

@@ -58,6 +58,10 @@ class TQUnavailableError(TQError, ConnectionError):
     """Redis could not be reached or did not answer in time."""
 
 
+class TQAuthenticationError(TQError):
+    """Redis refused the credentials (tq.url / tq.password_env)."""
+
+
 class DurabilityError(TQError):
     """The Redis server is not configured for the durability the queue was promised."""
 
@@ -67,6 +71,10 @@ def unavailable_as_tq_error() -> Iterator[None]:
     """Turns a lost or stuck Redis connection into TQUnavailableError (one clear message)."""
     try:
         yield
+    except redis.AuthenticationError as exc:
+        raise TQAuthenticationError(
+            f"TransferQueue Redis refused the credentials ({exc}): check tq.url and tq.password_env"
+        ) from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
 

@@ -40,6 +40,7 @@ class RedisServer:
         host: str = "127.0.0.1",
         appendfsync: Literal["everysec", "always", "no"] = "everysec",
         executable: str = "redis-server",
+        password: str | None = None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.data_dir = Path(data_dir)
@@ -47,6 +48,7 @@ class RedisServer:
         self.port = port or free_port(host)
         self.appendfsync = appendfsync
         self._executable = executable
+        self.password = password
         self._extra_args = extra_args
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -86,6 +88,7 @@ class RedisServer:
             "no",
             "--logfile",
             str(self.log_path),
+            *(["--requirepass", self.password] if self.password else []),
             *self._extra_args,
         ]
 
@@ -100,7 +103,7 @@ class RedisServer:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        client = self.client(socket_connect_timeout=0.5)
         try:
             while time.monotonic() < deadline:
                 if self._process is None or self._process.poll() is not None:
@@ -121,7 +124,7 @@ class RedisServer:
             client.close()
 
     def client(self, **kwargs) -> redis.Redis:
-        return redis.Redis(host=self.host, port=self.port, **kwargs)
+        return redis.Redis(host=self.host, port=self.port, password=self.password, **kwargs)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM: Redis flushes and fsyncs the AOF, then exits."""
