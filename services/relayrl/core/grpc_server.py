@@ -80,7 +80,7 @@ def host_port(host: str, port: int) -> str:
 
 
 class GrpcService:
-    """One service's gRPC server and its lifecycle. Built by `build_server`/`build_service`;
+    """One service's gRPC server and its lifecycle. Built directly or by `build_service`;
     the grpc.aio server itself is created in `start()`, inside the event loop that serves it."""
 
     def __init__(
@@ -281,34 +281,6 @@ class GrpcService:
         await self.stop()
 
 
-def build_server(
-    config: GrpcServerConfig,
-    service_name: str,
-    register: Sequence[Register],
-    service_names: Sequence[str],
-    registry: CollectorRegistry,
-    authenticator: Authenticator | None = None,
-    *,
-    exempt_methods: Iterable[str] = DEFAULT_EXEMPT_METHODS,
-    metrics: MetricsConfig | None = None,
-    shutdown_hooks: Iterable[ShutdownHook] = (),
-) -> GrpcService:
-    """A not-yet-started GrpcService. `register` callables add servicers to the grpc.aio
-    server (e.g. `lambda s: add_FooServicer_to_server(servicer, s)`); `service_names` are their
-    full proto names, for health and reflection."""
-    return GrpcService(
-        config,
-        service_name=service_name,
-        register=register,
-        service_names=service_names,
-        registry=registry,
-        authenticator=authenticator,
-        exempt_methods=exempt_methods,
-        metrics=metrics,
-        shutdown_hooks=shutdown_hooks,
-    )
-
-
 def build_service(
     config: ServiceConfig,
     *,
@@ -319,16 +291,19 @@ def build_service(
     shutdown_hooks: Iterable[ShutdownHook] = (),
     environ: Mapping[str, str] = os.environ,
 ) -> GrpcService:
-    """`build_server` from a ServiceConfig: its grpc, metrics and auth sections."""
+    """A not-yet-started GrpcService from a ServiceConfig: its grpc, metrics and auth sections.
+    `register` callables add servicers to the grpc.aio server (e.g.
+    `lambda s: add_FooServicer_to_server(servicer, s)`); `service_names` are their full proto
+    names, for health and reflection."""
     auth = config.auth
     exempt = auth.exempt_methods if isinstance(auth, StaticTokenAuthConfig) else ()
-    return build_server(
+    return GrpcService(
         config.grpc,
-        service_name,
-        register,
-        service_names,
-        registry,
-        build_authenticator(auth, environ),
+        service_name=service_name,
+        register=register,
+        service_names=service_names,
+        registry=registry,
+        authenticator=build_authenticator(auth, environ),
         exempt_methods=exempt,
         metrics=config.metrics,
         shutdown_hooks=shutdown_hooks,

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from relayrl.core.config import GrpcClientConfig, GrpcServerConfig
 from relayrl.core.grpc_client import RetryPolicy, call_idempotent, channel_from_config, make_channel
-from relayrl.core.grpc_server import build_server
+from relayrl.core.grpc_server import GrpcService
 from relayrl.core.logs import REQUEST_ID, current_request_id
 
 SERVICE = "relayrl.coretest.v1.Client"
@@ -65,8 +65,12 @@ class Servicer:
 async def serving(
     servicer: Servicer, registry: CollectorRegistry, default_timeout_s: float
 ) -> AsyncIterator[grpc.aio.Channel]:
-    service = build_server(
-        GrpcServerConfig(grace_s=0.5), "coretest", [servicer.register], [SERVICE], registry
+    service = GrpcService(
+        GrpcServerConfig(grace_s=0.5),
+        service_name="coretest",
+        register=[servicer.register],
+        service_names=[SERVICE],
+        registry=registry,
     )
     async with (
         service,
@@ -104,12 +108,12 @@ def test_explicit_timeout_overrides_the_default() -> None:
 
 def test_channel_from_config_applies_its_default_timeout() -> None:
     async def scenario() -> None:
-        service = build_server(
+        service = GrpcService(
             GrpcServerConfig(grace_s=0.5),
-            "coretest",
-            [Servicer(0).register],
-            [SERVICE],
-            CollectorRegistry(),
+            service_name="coretest",
+            register=[Servicer(0).register],
+            service_names=[SERVICE],
+            registry=CollectorRegistry(),
         )
         async with service:
             config = GrpcClientConfig(target=f"127.0.0.1:{service.port}", default_timeout_s=0.2)

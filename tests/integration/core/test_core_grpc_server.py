@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from relayrl.core.config import GrpcServerConfig, MetricsConfig
 from relayrl.core.grpc_client import make_channel
-from relayrl.core.grpc_server import GrpcService, build_server
+from relayrl.core.grpc_server import GrpcService
 from relayrl.core.interceptors import (
     Authenticator,
     StaticTokenAuthenticator,
@@ -95,13 +95,13 @@ async def serving(
     metrics: MetricsConfig | None = None,
     bearer_token: str | None = None,
 ) -> AsyncIterator[tuple[GrpcService, grpc.aio.Channel]]:
-    service = build_server(
+    service = GrpcService(
         GrpcServerConfig(grace_s=1.0),
-        "coretest",
-        [register],
-        [SERVICE],
-        registry or CollectorRegistry(),
-        authenticator,
+        service_name="coretest",
+        register=[register],
+        service_names=[SERVICE],
+        registry=registry or CollectorRegistry(),
+        authenticator=authenticator,
         metrics=metrics,
     )
     async with service:
@@ -353,7 +353,13 @@ def test_port_in_use_is_a_clear_error() -> None:
     async def scenario() -> None:
         async with serving() as (first, _):
             config = GrpcServerConfig(port=first.port)
-            second = build_server(config, "coretest", [register], [SERVICE], CollectorRegistry())
+            second = GrpcService(
+                config,
+                service_name="coretest",
+                register=[register],
+                service_names=[SERVICE],
+                registry=CollectorRegistry(),
+            )
             with pytest.raises(OSError, match=r"grpc\.port"):
                 await second.start()
 

@@ -17,7 +17,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from relayrl.core.config import GrpcServerConfig, LoggingConfig, MetricsConfig
-from relayrl.core.grpc_server import GrpcService, build_server
+from relayrl.core.grpc_server import GrpcService
 from relayrl.core.logs import setup_logging
 
 SERVICE = "relayrl.coretest.v1.Shutdown"
@@ -55,12 +55,12 @@ def announce(service: GrpcService) -> None:
 
 async def main(grace_s: float) -> None:
     setup_logging(LoggingConfig(), "coretest")
-    service = build_server(
+    service = GrpcService(
         GrpcServerConfig(grace_s=grace_s),
-        "coretest",
-        [register],
-        [SERVICE],
-        CollectorRegistry(),
+        service_name="coretest",
+        register=[register],
+        service_names=[SERVICE],
+        registry=CollectorRegistry(),
         metrics=MetricsConfig(port=0),
         shutdown_hooks=[shutdown_hook],
     )
