@@ -19,6 +19,31 @@ ConfigT = TypeVar("ConfigT", bound=ServiceConfig)
 EXIT_USAGE = 2
 
 
+def service_command(
+    prog: str,
+    *,
+    description: str,
+    config_cls: type[ConfigT],
+    serve: Callable[[ConfigT], int] | None,
+    unavailable_reason: str = "",
+) -> Callable[[Sequence[str] | None], int]:
+    """The console-script entry point of one service; its environment prefix is derived from
+    `prog` (relayrl-reward -> RELAYRL_REWARD)."""
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        return service_main(
+            prog=prog,
+            description=description,
+            config_cls=config_cls,
+            env_prefix=prog.upper().replace("-", "_"),
+            serve=serve,
+            unavailable_reason=unavailable_reason,
+            argv=argv,
+        )
+
+    return main
+
+
 def service_main(
     *,
     prog: str,

@@ -274,10 +274,7 @@ class TransferQueue:
         reason: str = "released",
     ) -> int:
         """Gives claimed groups back to pending (trajectories already written are kept)."""
-        pairs = _claims(claims)
-        return self._call(
-            partition, "release_groups", reason, len(pairs), *[x for p in pairs for x in p]
-        )
+        return self._end_claims(partition, claims, GroupStatus.PENDING, reason)
 
     def requeue_expired(self, partition: str, max_groups: int = 1000) -> list[str]:
         """Returns groups whose claim lease expired to pending; returns their uids."""
@@ -291,10 +288,18 @@ class TransferQueue:
         reason: str,
     ) -> int:
         """The claimer gives up on whole groups (running -> failed), e.g. every engine is down."""
+        return self._end_claims(partition, claims, GroupStatus.FAILED, reason)
+
+    def _end_claims(
+        self,
+        partition: str,
+        claims: Mapping[str, str] | Iterable[ClaimedGroup],
+        target: GroupStatus,
+        reason: str,
+    ) -> int:
         pairs = _claims(claims)
-        return self._call(
-            partition, "fail_groups", reason, len(pairs), *[x for p in pairs for x in p]
-        )
+        flat = [x for pair in pairs for x in pair]
+        return self._call(partition, "end_claims", target.value, reason, len(pairs), *flat)
 
     def reissue_groups(
         self, partition: str, uids: Iterable[str], prompt_step: int | None = None

@@ -57,6 +57,14 @@ local function settle_group(uid)
   end
 end
 
+-- Appends `value` to `list` unless `seen` has it: distinct values in first-seen order.
+local function add_once(list, seen, value)
+  if not seen[value] then
+    seen[value] = true
+    list[#list + 1] = value
+  end
+end
+
 local function in_set(value, csv)
   for item in string.gmatch(csv, '[^,]+') do
     if item == value then return true end

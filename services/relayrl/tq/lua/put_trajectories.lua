@@ -40,10 +40,7 @@ for i = 0, count - 1 do
     redis.call('HINCRBY', g, 'num_put', 1)
     if failed then redis.call('HINCRBY', g, 'num_failed', 1) end
     emit('trajectory', key, '', status)
-    if not groups[uid] then
-      groups[uid] = true
-      order[#order + 1] = uid
-    end
+    add_once(order, groups, uid)
   end
 end
 for _, uid in ipairs(order) do settle_group(uid) end

@@ -28,10 +28,7 @@ for i = 0, count - 1 do
     redis.call('HINCRBY', P .. 'tcount', 'scored', 1)
     redis.call('HINCRBY', P .. 'g:' .. uid, 'num_scored', 1)
     emit('trajectory', key, 'finished', 'scored')
-    if not groups[uid] then
-      groups[uid] = true
-      order[#order + 1] = uid
-    end
+    add_once(order, groups, uid)
   end
 end
 for _, uid in ipairs(order) do settle_group(uid) end
