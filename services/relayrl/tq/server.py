@@ -99,7 +99,11 @@ class RedisServer:
         self._process = subprocess.Popen(
             self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
         )
-        self._wait_ready(timeout_s)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.kill()  # never leave a half-started server behind
+            raise
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
