@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from relayrl.core.config import GrpcServerConfig, MetricsConfig
+from relayrl.core.config import GrpcServerConfig, MetricsConfig, ServiceConfig, load_config
 from relayrl.core.grpc_client import make_channel
-from relayrl.core.grpc_server import GrpcService
+from relayrl.core.grpc_server import GrpcService, build_service
 from relayrl.core.interceptors import (
     Authenticator,
     StaticTokenAuthenticator,
@@ -362,5 +362,41 @@ def test_port_in_use_is_a_clear_error() -> None:
             )
             with pytest.raises(OSError, match=r"grpc\.port"):
                 await second.start()
+
+    asyncio.run(scenario())
+
+
+# --- a service built from its config -----------------------------------------------------------
+
+
+def test_build_service_takes_auth_and_metrics_from_the_service_config(tmp_path) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(f"alice: {TOKEN}\n")
+    path = tmp_path / "service.yaml"
+    path.write_text(f"auth:\n  type: static_token\n  tokens_file: {tokens}\n")
+    config = load_config(ServiceConfig, path, "RELAYRL_CORETEST", {})
+
+    async def scenario() -> None:
+        registry = CollectorRegistry()
+        service = build_service(
+            config,
+            service_name="coretest",
+            register=[register],
+            service_names=[SERVICE],
+            registry=registry,
+        )
+        async with service:
+            target = f"127.0.0.1:{service.port}"
+            async with make_channel(target, default_timeout_s=20.0) as anonymous:
+                health = health_pb2_grpc.HealthStub(anonymous)
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                code = await rpc_code(anonymous.unary_unary(method("Echo"))(b"whoami"))
+                assert code is grpc.StatusCode.UNAUTHENTICATED
+            async with make_channel(target, default_timeout_s=20.0, bearer_token=TOKEN) as alice:
+                assert await alice.unary_unary(method("Echo"))(b"whoami") == b"alice"
+            with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics") as r:
+                text = r.read().decode()
+            assert 'relayrl_coretest_grpc_requests_total{code="UNAUTHENTICATED"' in text
 
     asyncio.run(scenario())
