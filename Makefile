@@ -12,6 +12,9 @@ QUIET_PIP := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory'
 # Written last by `setup`; make compares its time with the files that define the environment.
 SETUP_STAMP := $(VENV)/.relayrl-setup
 PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
+# The torch pin of the lock group: installed first and alone, so pip takes the CPU wheel from
+# local disk and never resolves a CUDA build.
+TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
 .PHONY: help setup protos contract test test-unit test-integration lint bench bench-tq run lock clean
@@ -21,15 +24,14 @@ help: ## list the targets with one line each
 
 setup: $(SETUP_STAMP) $(PROTO_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
 
-$(SETUP_STAMP): requirements/lock.txt pyproject.toml
+$(SETUP_STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { \
 	  echo "setup: installing Debian redis-server"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==26.3 $(QUIET_PIP)
-	@# torch first, alone: pip takes the CPU wheel from local disk, never a CUDA build.
-	$(PIP) install -q "$$(grep '^torch==' requirements/lock.txt)" $(QUIET_PIP)
-	$(PIP) install -q --no-deps -r requirements/lock.txt $(QUIET_PIP)
+	$(PIP) install -q "$(call TORCH_PIN,lock)" $(QUIET_PIP)
+	$(PIP) install -q --no-deps --group lock $(QUIET_PIP)
 	$(PIP) install -q --no-deps --no-build-isolation -e . $(QUIET_PIP)
 	@touch $@
 
@@ -64,12 +66,14 @@ bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token traject
 run: setup ## set up and run the main job on the embedded default
 	$(BIN)/relayrl up
 
-lock: ## re-resolve requirements/direct.txt into requirements/lock.txt in a scratch venv
+lock: ## re-resolve the `direct` dependency group into the `lock` group of pyproject.toml
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
-	.lock-venv/bin/python -m pip install -q "$$(grep '^torch==' requirements/direct.txt)" $(QUIET_PIP)
-	.lock-venv/bin/python -m pip install -q -c <(grep '^torch==' requirements/direct.txt) -r requirements/direct.txt $(QUIET_PIP)
+	.lock-venv/bin/python -m pip install -q --upgrade pip==26.3 $(QUIET_PIP)
+	.lock-venv/bin/python -m pip install -q "$(call TORCH_PIN,direct)" $(QUIET_PIP)
+	.lock-venv/bin/python -m pip install -q -c <(echo "$(call TORCH_PIN,direct)") --group direct $(QUIET_PIP)
 	.lock-venv/bin/python -m pip freeze --exclude-editable \
-	  | grep -vE '^(torchvision|torchaudio|torchcodec)==' > requirements/lock.txt
+	  | grep -vE '^(torchvision|torchaudio|torchcodec)==' > .lock-venv/frozen.txt
+	$(PYTHON) - <<<'import re, pathlib; p = pathlib.Path("pyproject.toml"); pins = "".join(f"  \"{l.strip()}\",\n" for l in open(".lock-venv/frozen.txt") if l.strip()); p.write_text(re.sub(r"(?ms)^lock = \[\n.*?^\]", "lock = [\n" + pins + "]", p.read_text()))'
 	rm -rf .lock-venv
 
 clean: ## remove the venv, generated code and caches
