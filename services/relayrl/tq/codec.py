@@ -192,7 +192,8 @@ def encode_trajectory(value: object, partition: str, max_value_bytes: int) -> En
     )
 
 
-def encode_reward(value: object, key: str, max_value_bytes: int) -> bytes:
+def encode_reward(value: object, key: str, max_value_bytes: int) -> tuple[bytes, int]:
+    """The reward's stored bytes and its RewardStatus."""
     result = _parse(common_pb2.RewardResult, value, f"the reward of {key!r}")
     if result.status == common_pb2.REWARD_STATUS_UNSPECIFIED:
         raise InvalidInputError(
@@ -201,7 +202,7 @@ def encode_reward(value: object, key: str, max_value_bytes: int) -> bytes:
         )
     data = result.SerializeToString(deterministic=True)
     _check_size(data, f"the reward of {key!r}", max_value_bytes)
-    return data
+    return data, result.status
 
 
 def _int(fields: dict[bytes, bytes], name: bytes, default: int = 0) -> int:

@@ -107,7 +107,11 @@ def _unique(keys: Iterable[str], what: str) -> list[str]:
 
 class TransferQueue:
     """Client of the TransferQueue. Thread-safe (one Redis connection pool); services on
-    asyncio call it through `asyncio.to_thread`."""
+    asyncio call it through `asyncio.to_thread`.
+
+    Give it a client without automatic retries (from_config builds one): a retried
+    claim_groups whose first reply was lost would claim a second batch. Puts, scores and consume
+    are idempotent, so a caller may retry those itself."""
 
     def __init__(
         self,
@@ -372,8 +376,7 @@ class TransferQueue:
         keys = list(rewards)
         for key in keys:
             codec.split_trajectory_key(key)
-            data = codec.encode_reward(rewards[key], key, self._max_value_bytes)
-            status = common_pb2.RewardResult.FromString(data).status
+            data, status = codec.encode_reward(rewards[key], key, self._max_value_bytes)
             argv += [key, int(status), int(status in INFRA_REWARD_STATUSES), data]
         if not keys:
             return []
