@@ -12,7 +12,8 @@ same pipeline, one round = `--groups` prompt groups of `--samples` trajectories:
 Serialising messages before a write and parsing them after a read are on both sides (a real
 consumer must parse what it reads), so the ratio is what the queue's bookkeeping costs: status
 checks, the atomic transitions, indexes, events, acks, validation and idempotency digests.
-Runs alternate tq / raw on fresh data so that noise on this shared machine hits both alike.
+Runs alternate which side goes first, each on an empty Redis, so that noise on this shared
+machine hits both alike.
 
 The last line is exactly: tq-bench: ratio=<tq_rate/raw_rate> tq=<N>/s raw=<M>/s
 (rates in trajectories per second, the median over the runs).
@@ -25,6 +26,7 @@ import random
 import statistics
 import tempfile
 import time
+from functools import partial
 
 import redis
 
@@ -139,7 +141,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="trajectories per group")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--response-len", type=int, default=1536)
-    parser.add_argument("--runs", type=int, default=5, help="rounds per side (alternating)")
+    parser.add_argument("--runs", type=int, default=7, help="rounds per side (alternating)")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -153,14 +155,22 @@ def main() -> None:
             prompts, trajectories = make_round(
                 rng, f"r{run}", args.groups, args.samples, args.prompt_len, args.response_len
             )
-            t0 = time.perf_counter()
-            run_tq(tq, run, prompts, trajectories, args.samples)
-            t1 = time.perf_counter()
-            run_raw(client, f"r{run}", prompts, trajectories)
-            t2 = time.perf_counter()
+            sides = {
+                "tq": partial(run_tq, tq, run, prompts, trajectories, args.samples),
+                "raw": partial(run_raw, client, f"r{run}", prompts, trajectories),
+            }
+            # Alternate which side goes first, and start every side on an empty Redis, so that
+            # neither always meets a bigger dataset, a warmer cache or an AOF rewrite.
+            elapsed = {}
+            for side in sorted(sides, reverse=run % 2 == 1):
+                client.flushall()
+                tq.create_partition(PARTITION)
+                start = time.perf_counter()
+                sides[side]()
+                elapsed[side] = time.perf_counter() - start
             if run:
-                tq_rates.append(num_traj / (t1 - t0))
-                raw_rates.append(num_traj / (t2 - t1))
+                tq_rates.append(num_traj / elapsed["tq"])
+                raw_rates.append(num_traj / elapsed["raw"])
                 print(
                     f"run {run}: tq {tq_rates[-1]:8.0f}/s  raw {raw_rates[-1]:8.0f}/s  "
                     f"ratio {tq_rates[-1] / raw_rates[-1]:.2f}"

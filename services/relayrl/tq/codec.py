@@ -232,11 +232,14 @@ def decode_group(partition: str, uid: str, fields: dict[bytes, bytes]) -> common
 
 
 def decode_trajectory(
-    partition: str, key: str, fields: dict[bytes, bytes]
+    partition: str, key: str, fields: dict[bytes, bytes], data: bytes | None
 ) -> common_pb2.Trajectory:
+    """A trajectory from its hash fields (status, tags, reward) and its stored bytes."""
     traj = common_pb2.Trajectory()
     try:
-        traj.ParseFromString(fields[b"data"])
+        if data is None:
+            raise KeyError("its bytes are missing")
+        traj.ParseFromString(data)
         status_name = fields[b"status"].decode().upper()
         traj.tags.status = common_pb2.TrajectoryStatus.Value(f"TRAJECTORY_STATUS_{status_name}")
         if b"reward" in fields:

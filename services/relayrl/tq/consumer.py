@@ -85,8 +85,28 @@ class EventConsumer:
                     block=block_ms,
                 )
                 for _, entries in reply or []:
-                    events += [event_from_entry(i, f) for i, f in entries if f is not None]
-            return self._drop_unwanted(events)
+                    events += [event_from_entry(i, f) for i, f in self._wanted(entries)]
+            return events
+
+    def _wanted(
+        self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]
+    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The entries this role acts on; the others are acknowledged at once."""
+        wanted, unwanted = [], []
+        for entry_id, fields in entries:
+            if fields is None:  # trimmed from the stream while pending
+                unwanted.append(entry_id)
+            elif self._wants is None or self._wants_kind_to(fields):
+                wanted.append((entry_id, fields))
+            else:
+                unwanted.append(entry_id)
+        if unwanted:
+            self._redis.xack(self.stream, self.group, *unwanted)
+        return wanted
+
+    def _wants_kind_to(self, fields: dict[bytes, bytes]) -> bool:
+        kind, to = fields.get(b"kind", b"").decode(), fields.get(b"to", b"").decode()
+        return (kind, to) in self._wants
 
     def _reclaim(self, count: int) -> list[Event]:
         events, _ = self._tq.reclaim_events(
@@ -97,15 +117,12 @@ class EventConsumer:
             count=count,
             max_deliveries=self._max_deliveries,
         )
-        return events
-
-    def _drop_unwanted(self, events: list[Event]) -> list[Event]:
-        if self._wants is None:
-            return events
-        unwanted = [e.id for e in events if (e.kind, e.to_status) not in self._wants]
+        unwanted = [
+            e.id for e in events if self._wants and (e.kind, e.to_status) not in self._wants
+        ]
         if unwanted:
             self._redis.xack(self.stream, self.group, *unwanted)
-        return [e for e in events if (e.kind, e.to_status) in self._wants]
+        return [e for e in events if e.id not in unwanted]
 
     def ack(self, events: Iterable[Event | str]) -> int:
         ids = [e.id if isinstance(e, Event) else e for e in events]

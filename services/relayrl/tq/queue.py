@@ -9,7 +9,10 @@ Key layout (all keys share the hash tag "{<namespace>}", so a Redis Cluster keep
 on one shard):
     {ns}:partitions                 set of partition names
     {ns}:p:<part>:g:<uid>           hash: one prompt group (status, step, claim, counters, data)
-    {ns}:p:<part>:t:<uid>_<i>       hash: one trajectory (status, tags, data, reward)
+    {ns}:p:<part>:t:<uid>_<i>       hash: one trajectory's status, tags and reward
+    {ns}:p:<part>:td:<uid>_<i>      string: the trajectory's protobuf bytes
+    {ns}:p:<part>:stage:<id>:<i>    string: a payload between its SET and the script that
+                                    renames it into place (same MULTI; expires if orphaned)
     {ns}:p:<part>:gs:<status>       sorted set: groups by status, scored by prompt step
                                     (by consumed step for 'consumed')
     {ns}:p:<part>:leases            sorted set: running groups by lease deadline (ms)
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -52,6 +56,10 @@ from relayrl.tq.model import (
 from relayrl.tq.scripts import load_scripts, translate_error
 
 log = logging.getLogger(__name__)
+
+# A staged payload outlives its MULTI only if the script fails to run at all (e.g. Redis is
+# out of memory); it then expires instead of lingering.
+STAGING_TTL_S = 3600
 
 
 class TQUnavailableError(TQError, ConnectionError):
@@ -175,17 +183,34 @@ class TransferQueue:
     def key_prefix(self, partition: str) -> str:
         return f"{{{self._ns}}}:p:{partition}:"
 
-    def _call(self, partition: str, script: str, *args: Any) -> Any:
+    def _call(
+        self, partition: str, script: str, *args: Any, pipe: redis.client.Pipeline | None = None
+    ) -> Any:
         codec.check_partition_name(partition)
         argv = [self.key_prefix(partition), partition, self._event_stream_max_len, *args]
-        return self._run(partition, script, [self._partitions_key()], argv)
+        return self._run(partition, script, [self._partitions_key()], argv, pipe)
 
-    def _run(self, partition: str, script: str, keys: list[str], argv: list[Any]) -> Any:
-        try:
-            with unavailable_as_tq_error():
-                return self._scripts[script](keys=keys, args=argv)
-        except redis.ResponseError as exc:
-            raise translate_error(partition, exc) from None
+    def _run(
+        self,
+        partition: str,
+        script: str,
+        keys: list[str],
+        argv: list[Any],
+        pipe: redis.client.Pipeline | None = None,
+    ) -> Any:
+        """Runs a script, alone or as the last command of `pipe` (whose other replies are
+        dropped); a script's error reply becomes the matching TQ exception."""
+        with unavailable_as_tq_error():
+            if pipe is None:
+                try:
+                    return self._scripts[script](keys=keys, args=argv)
+                except redis.ResponseError as exc:
+                    raise translate_error(partition, exc) from None
+            self._scripts[script](keys=keys, args=argv, client=pipe)
+            reply = pipe.execute(raise_on_error=False)[-1]
+        if isinstance(reply, redis.ResponseError):
+            raise translate_error(partition, reply) from None
+        return reply
 
     def _pipeline_execute(self, pipe: redis.client.Pipeline) -> list[Any]:
         with unavailable_as_tq_error():
@@ -337,8 +362,8 @@ class TransferQueue:
         """Writes trajectories under their group's claim. A group whose every sample is written
         becomes finished (and scored at once if every sample failed). Idempotent per key."""
         codec.check_partition_name(partition)
-        argv: list[Any] = [len(puts)]
-        keys = []
+        argv: list[Any] = []
+        encoded = []
         for put in puts:
             if not isinstance(put, TrajectoryPut):
                 raise InvalidInputError(
@@ -353,16 +378,23 @@ class TransferQueue:
                 put.claim_id,
                 status.value,
                 e.digest,
-                e.data,
                 e.prompt_len,
                 e.response_len,
                 e.min_policy_version,
                 e.max_policy_version,
             ]
-            keys.append(e.key)
-        if not keys:
+            encoded.append(e)
+        if not encoded:
             return PutResult([], [])
-        return _put_result(keys, self._call(partition, "put_trajectories", *argv))
+        # Payloads go in as plain SETs under staging keys, in one MULTI with the script that
+        # renames them into place: bulk bytes never pass through Lua, and a client that dies
+        # before EXEC leaves nothing behind.
+        stage = f"{self.key_prefix(partition)}stage:{uuid.uuid4().hex}:"
+        pipe = self._redis.pipeline(transaction=True)
+        for i, e in enumerate(encoded):
+            pipe.set(f"{stage}{i}", e.data, ex=STAGING_TTL_S)
+        flags = self._call(partition, "put_trajectories", stage, len(encoded), *argv, pipe=pipe)
+        return _put_result([e.key for e in encoded], flags)
 
     def score_trajectories(
         self,
@@ -423,10 +455,12 @@ class TransferQueue:
             pipe = self._redis.pipeline(transaction=False)
             for _, uid, i in wanted:
                 pipe.hgetall(f"{prefix}t:{codec.trajectory_key(uid, i)}")
-            for (n, uid, i), fields in zip(wanted, self._pipeline_execute(pipe), strict=True):
+                pipe.get(f"{prefix}td:{codec.trajectory_key(uid, i)}")
+            replies = self._pipeline_execute(pipe)
+            for (n, uid, i), fields, data in zip(wanted, replies[::2], replies[1::2], strict=True):
                 if fields:
                     key = codec.trajectory_key(uid, i)
-                    trajectories[n].append(codec.decode_trajectory(partition, key, fields))
+                    trajectories[n].append(codec.decode_trajectory(partition, key, fields, data))
         return [GroupWithTrajectories(g, t) for g, t in zip(groups, trajectories, strict=True)]
 
     def get_trajectories(self, partition: str, keys: Sequence[str]) -> list[common_pb2.Trajectory]:
@@ -437,11 +471,13 @@ class TransferQueue:
         for key in keys:
             codec.split_trajectory_key(key)
             pipe.hgetall(f"{prefix}t:{key}")
+            pipe.get(f"{prefix}td:{key}")
         out = []
-        for key, fields in zip(keys, self._pipeline_execute(pipe), strict=True):
+        replies = self._pipeline_execute(pipe)
+        for key, fields, data in zip(keys, replies[::2], replies[1::2], strict=True):
             if not fields:
                 raise UnknownKeyError(partition, key)
-            out.append(codec.decode_trajectory(partition, key, fields))
+            out.append(codec.decode_trajectory(partition, key, fields, data))
         return out
 
     def counts(self, partition: str) -> Counts:

@@ -303,7 +303,7 @@ def assert_everything_acknowledged_is_there(tq: TransferQueue, ledger: Ledger) -
 
     keys = list(ledger.trajectories)
     for key, stored in zip(keys, tq.get_trajectories(P, keys), strict=True):
-        assert client.hget(f"{PREFIX}t:{key}", "data") == ledger.data[key]
+        assert client.get(f"{PREFIX}td:{key}") == ledger.data[key]
         assert (
             status_name(stored.tags.status, common_pb2.TrajectoryStatus) == ledger.trajectories[key]
         )
@@ -547,7 +547,7 @@ def test_always_keeps_every_acknowledged_transition_when_killed_mid_stream(tmp_p
             assert events[: len(ledger.events)] == ledger.events
             assert len(events) - len(ledger.events) <= 3
             for key, data in ledger.data.items():
-                assert tq.redis.hget(f"{PREFIX}t:{key}", "data") == data
+                assert tq.redis.get(f"{PREFIX}td:{key}") == data
             assert partition_problems(tq.redis) == []
         finally:
             tq.close()

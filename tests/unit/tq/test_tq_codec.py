@@ -59,7 +59,6 @@ def test_decode_fills_tags_from_hash_fields() -> None:
         1 << 20,
     )
     fields = {
-        b"data": encoded.data,
         b"status": b"scored",
         b"response_len": b"2",
         b"min_v": b"2",
@@ -69,7 +68,7 @@ def test_decode_fills_tags_from_hash_fields() -> None:
             status=common_pb2.REWARD_STATUS_INFRA_ERROR
         ).SerializeToString(),
     }
-    traj = codec.decode_trajectory("val", "u_1", fields)
+    traj = codec.decode_trajectory("val", "u_1", fields, encoded.data)
     assert traj.partition == "val"
     assert traj.tags.status == common_pb2.TRAJECTORY_STATUS_SCORED
     assert traj.tags.is_infra and traj.tags.max_policy_version == 2

@@ -81,11 +81,14 @@ local function check_group(uid, allowed, requested)
   return nil, f
 end
 
+local function group_fields(uid)
+  return redis.call('HMGET', P .. 'g:' .. uid, 'status', 'step', 'claim', 'n')
+end
+
 -- The caller's claim must be the group's current one: a claimer whose lease expired (or who
--- released the group) must not write to it any more, whoever owns it now.
--- Returns an error reply, or nil and the group's fields {status, step, claim}.
-local function check_claim(uid, claim, requested)
-  local f = redis.call('HMGET', P .. 'g:' .. uid, 'status', 'step', 'claim')
+-- released the group) must not write to it any more, whoever owns it now. `f` is
+-- group_fields(uid). Returns an error reply or nil.
+local function claim_error(uid, f, claim, requested)
   if not f[1] then return fail('UNKNOWN_KEY', uid) end
   if f[1] ~= 'running' then
     return fail('STALE_CLAIM', uid, f[1], requested, 'the group is no longer running')
@@ -94,5 +97,32 @@ local function check_claim(uid, claim, requested)
     return fail('STALE_CLAIM', uid, f[1], requested,
       'claim ' .. claim .. ' was superseded by ' .. tostring(f[3]))
   end
+  return nil
+end
+
+-- claim_error for one group; returns an error reply, or nil and the group's fields.
+local function check_claim(uid, claim, requested)
+  local f = group_fields(uid)
+  local err = claim_error(uid, f, claim, requested)
+  if err then return err end
   return nil, f
+end
+
+-- Adds `n` to counter `name` of `counters`, a table of tables keyed by owner.
+local function bump(counters, owner, name, n)
+  local c = counters[owner]
+  if not c then
+    c = {}
+    counters[owner] = c
+  end
+  c[name] = (c[name] or 0) + n
+end
+
+-- Writes counters gathered with bump(): one HINCRBY per owner hash and field.
+local function flush_counters(counters, key_of)
+  for owner, c in pairs(counters) do
+    for name, n in pairs(c) do
+      if n ~= 0 then redis.call('HINCRBY', key_of(owner), name, n) end
+    end
+  end
 end

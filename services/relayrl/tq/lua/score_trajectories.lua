@@ -17,19 +17,23 @@ for i = 0, count - 1 do
   end
 end
 local now = now_ms()
-local groups, order = {}, {}
+local order, listed, group_counts, num_scored = {}, {}, {}, 0
 for i = 0, count - 1 do
   if scored[i + 1] == 1 then
     local o = base + i * width
     local key, uid = ARGV[o], uids[i + 1]
     redis.call('HSET', P .. 't:' .. key, 'status', 'scored', 'reward_status', ARGV[o + 1],
       'is_infra', ARGV[o + 2], 'reward', ARGV[o + 3], 'scored_ms', now)
-    redis.call('HINCRBY', P .. 'tcount', 'finished', -1)
-    redis.call('HINCRBY', P .. 'tcount', 'scored', 1)
-    redis.call('HINCRBY', P .. 'g:' .. uid, 'num_scored', 1)
     emit('trajectory', key, 'finished', 'scored')
-    add_once(order, groups, uid)
+    bump(group_counts, uid, 'num_scored', 1)
+    num_scored = num_scored + 1
+    add_once(order, listed, uid)
   end
 end
+if num_scored > 0 then
+  redis.call('HINCRBY', P .. 'tcount', 'finished', -num_scored)
+  redis.call('HINCRBY', P .. 'tcount', 'scored', num_scored)
+end
+flush_counters(group_counts, function(uid) return P .. 'g:' .. uid end)
 for _, uid in ipairs(order) do settle_group(uid) end
 return scored
