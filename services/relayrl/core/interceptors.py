@@ -12,6 +12,7 @@ authentication, closest to the handler.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import hmac
 import inspect
@@ -146,10 +147,35 @@ class ScopeInterceptor(grpc.aio.ServerInterceptor):
             return None
         return wrap_handler(handler, handler_call_details, self.scope)
 
+    @abc.abstractmethod
     def scope(
         self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
     ) -> AbstractAsyncContextManager[None]:
-        raise NotImplementedError
+        """Entered around the handler of every call."""
+
+
+class CallEndInterceptor(ScopeInterceptor):
+    """Base of interceptors that act when a call ends, knowing its status and duration."""
+
+    @asynccontextmanager
+    async def scope(
+        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[None]:
+        start_s = time.perf_counter()
+        try:
+            yield
+        except BaseException as exc:
+            code = rpc_status(context, exc)
+            self.call_ended(details.method, code, time.perf_counter() - start_s, exc)
+            raise
+        code = rpc_status(context, None)
+        self.call_ended(details.method, code, time.perf_counter() - start_s, None)
+
+    @abc.abstractmethod
+    def call_ended(
+        self, method: str, code: grpc.StatusCode, duration_s: float, exc: BaseException | None
+    ) -> None:
+        """`exc`: what the handler raised (None when it returned)."""
 
 
 # --- request id ------------------------------------------------------------------------------
@@ -191,7 +217,7 @@ class RequestIdInterceptor(ScopeInterceptor):
 # --- logging ---------------------------------------------------------------------------------
 
 
-class LoggingInterceptor(ScopeInterceptor):
+class LoggingInterceptor(CallEndInterceptor):
     """One line per call: method, status code, duration and principal (the request id comes
     from the log filter). Non-OK calls are WARNING; an unexpected exception is ERROR with its
     traceback, since gRPC itself only tells the caller "Unexpected <type>"."""
@@ -206,22 +232,10 @@ class LoggingInterceptor(ScopeInterceptor):
         self._ok_level = ok_level
         self._quiet_methods = frozenset(quiet_methods)  # probes every few seconds: DEBUG
 
-    @asynccontextmanager
-    async def scope(
-        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[None]:
-        start_s = time.perf_counter()
-        try:
-            yield
-        except BaseException as exc:
-            self._log_call(details.method, rpc_status(context, exc), start_s, exc)
-            raise
-        self._log_call(details.method, rpc_status(context, None), start_s, None)
-
-    def _log_call(
-        self, method: str, code: grpc.StatusCode, start_s: float, exc: BaseException | None
+    def call_ended(
+        self, method: str, code: grpc.StatusCode, duration_s: float, exc: BaseException | None
     ) -> None:
-        duration_ms = (time.perf_counter() - start_s) * 1000.0
+        duration_ms = duration_s * 1000.0
         principal = PRINCIPAL.get()
         fields = {
             "grpc_method": method,
@@ -243,7 +257,7 @@ class LoggingInterceptor(ScopeInterceptor):
 # --- metrics ---------------------------------------------------------------------------------
 
 
-class MetricsInterceptor(ScopeInterceptor):
+class MetricsInterceptor(CallEndInterceptor):
     """Request count, latency and errors per method into the service's own registry:
     `relayrl_<service>_grpc_requests_total{method,code}`,
     `relayrl_<service>_grpc_request_duration_seconds{method}`,
@@ -270,20 +284,10 @@ class MetricsInterceptor(ScopeInterceptor):
             registry=registry,
         )
 
-    @asynccontextmanager
-    async def scope(
-        self, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[None]:
-        start_s = time.perf_counter()
-        try:
-            yield
-        except BaseException as exc:
-            self._record(details.method, rpc_status(context, exc), start_s)
-            raise
-        self._record(details.method, rpc_status(context, None), start_s)
-
-    def _record(self, method: str, code: grpc.StatusCode, start_s: float) -> None:
-        self._duration.labels(method=method).observe(time.perf_counter() - start_s)
+    def call_ended(
+        self, method: str, code: grpc.StatusCode, duration_s: float, exc: BaseException | None
+    ) -> None:
+        self._duration.labels(method=method).observe(duration_s)
         self._requests.labels(method=method, code=code.name).inc()
         if code is not grpc.StatusCode.OK:
             self._errors.labels(method=method, code=code.name).inc()
