@@ -77,8 +77,8 @@ def _check_size(data: bytes, what: str, max_value_bytes: int) -> None:
     if len(data) > max_value_bytes:
         raise InvalidInputError(
             f"{what} serialises to {len(data)} bytes, over the TransferQueue limit of "
-            f"{max_value_bytes} bytes (tq.max_value_bytes); store large payloads by reference "
-            "(Trajectory.attachments)"
+            f"{max_value_bytes} bytes (tq.max_value_bytes); keep large payloads in an object "
+            "store and reference them (Trajectory.attachments)"
         )
 
 
