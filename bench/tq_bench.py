@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="trajectories per group")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--response-len", type=int, default=1536)
-    parser.add_argument("--runs", type=int, default=7, help="rounds per side (alternating)")
+    parser.add_argument("--runs", type=int, default=9, help="rounds per side (alternating)")
     args = parser.parse_args()
 
     rng = random.Random(0)

@@ -53,8 +53,9 @@ def split_trajectory_key(key: object) -> tuple[str, int]:
 
 
 def digest(data: bytes) -> str:
-    # Computed client-side so Redis does not spend its single thread hashing payloads.
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    # Computed client-side so Redis does not spend its single thread hashing payloads; sha256
+    # runs on the CPU's SHA extensions (9 us for 13.6 KB here, blake2b 16 us).
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def _parse(cls: type, value: object, what: str):

@@ -12,7 +12,7 @@ on one shard):
     {ns}:p:<part>:t:<uid>_<i>       hash: one trajectory's status, tags and reward
     {ns}:p:<part>:td:<uid>_<i>      string: the trajectory's protobuf bytes
     {ns}:p:<part>:stage:<id>:<i>    string: a payload between its SET and the script that
-                                    renames it into place (same MULTI; expires if orphaned)
+                                    renames it into place, within one MULTI
     {ns}:p:<part>:gs:<status>       sorted set: groups by status, scored by prompt step
                                     (by consumed step for 'consumed')
     {ns}:p:<part>:leases            sorted set: running groups by lease deadline (ms)
@@ -56,10 +56,6 @@ from relayrl.tq.model import (
 from relayrl.tq.scripts import load_scripts, translate_error
 
 log = logging.getLogger(__name__)
-
-# A staged payload outlives its MULTI only if the script fails to run at all (e.g. Redis is
-# out of memory); it then expires instead of lingering.
-STAGING_TTL_S = 3600
 
 
 class TQUnavailableError(TQError, ConnectionError):
@@ -392,7 +388,7 @@ class TransferQueue:
         stage = f"{self.key_prefix(partition)}stage:{uuid.uuid4().hex}:"
         pipe = self._redis.pipeline(transaction=True)
         for i, e in enumerate(encoded):
-            pipe.set(f"{stage}{i}", e.data, ex=STAGING_TTL_S)
+            pipe.set(f"{stage}{i}", e.data)
         flags = self._call(partition, "put_trajectories", stage, len(encoded), *argv, pipe=pipe)
         return _put_result([e.key for e in encoded], flags)
 

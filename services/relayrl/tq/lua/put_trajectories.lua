@@ -47,7 +47,6 @@ for i = 0, count - 1 do
     local uid, key, status = ARGV[o], ARGV[o + 2], ARGV[o + 4]
     local failed = status == 'failed'
     redis.call('RENAME', stage .. i, P .. 'td:' .. key)
-    redis.call('PERSIST', P .. 'td:' .. key)
     redis.call('HSET', P .. 't:' .. key, 'uid', uid, 'status', status, 'digest', ARGV[o + 5],
       'prompt_len', ARGV[o + 6], 'response_len', ARGV[o + 7], 'min_v', ARGV[o + 8],
       'max_v', ARGV[o + 9], 'is_infra', failed and 1 or 0, 'created_ms', now)
