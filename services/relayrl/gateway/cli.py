@@ -1,12 +1,11 @@
 """`relayrl-gateway`: the rollout-gateway: prompt groups in, trajectories out, on vLLM engines."""
 
 from relayrl.core.service_cli import service_command
-from relayrl.gateway.config import GatewayConfig
 
 main = service_command(
     "relayrl-gateway",
     description="the rollout-gateway: prompt groups in, trajectories out, on vLLM engines.",
-    config_cls=GatewayConfig,
+    config="relayrl.gateway.config:GatewayConfig",
     serve=None,
     unavailable_reason="the rollout-gateway lands with issue #4",
 )

@@ -1,12 +1,11 @@
 """`relayrl-trainer`: the trainer: megatron-core GRPO/PPO on scored groups."""
 
 from relayrl.core.service_cli import service_command
-from relayrl.trainer.config import TrainerConfig
 
 main = service_command(
     "relayrl-trainer",
     description="the trainer: megatron-core GRPO/PPO on scored groups.",
-    config_cls=TrainerConfig,
+    config="relayrl.trainer.config:TrainerConfig",
     serve=None,
     unavailable_reason="the trainer lands with issue #5",
 )

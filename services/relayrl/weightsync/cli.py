@@ -1,12 +1,11 @@
 """`relayrl-weightsync`: weight-sync: streams each new policy version into every engine."""
 
 from relayrl.core.service_cli import service_command
-from relayrl.weightsync.config import WeightSyncConfig
 
 main = service_command(
     "relayrl-weightsync",
     description="weight-sync: streams each new policy version into every engine.",
-    config_cls=WeightSyncConfig,
+    config="relayrl.weightsync.config:WeightSyncConfig",
     serve=None,
     unavailable_reason="the weight-sync service lands with issue #6",
 )

@@ -95,3 +95,22 @@ def test_tq_unreachable_redis_is_one_line(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "r")  # a free port nobody listens on
     result = run("relayrl", "tq", "--url", server.url, "counts")
     assert_one_line_error(result, "relayrl tq", "unavailable")
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["relayrl.cli", *(f"relayrl.{s}.cli" for s in ("gateway", "reward", "trainer", "weightsync"))],
+)
+def test_help_imports_nothing_heavy(module: str) -> None:
+    """`--help` must answer at once: no pydantic, redis, protobuf (let alone torch) imported."""
+    probe = (
+        "import sys\n"
+        f"from {module} import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('pydantic', 'redis', 'google.protobuf', 'torch', 'yaml')"
+        " if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "[]"
