@@ -533,24 +533,34 @@ def crash_during_writes(server: RedisServer, tq: TransferQueue, min_calls: int) 
     return ledger
 
 
-def test_always_keeps_every_acknowledged_transition_when_killed_mid_stream(tmp_path: Path) -> None:
-    with private_server(tmp_path / "redis", "always") as server:
-        tq = connect(server, "always")
+@contextmanager
+def restarted_after_a_kill_mid_stream(
+    tmp_path: Path, fsync: Fsync
+) -> Iterator[tuple[TransferQueue, Ledger]]:
+    """A writer streams transitions, redis-server is SIGKILLed under it and started again on the
+    same data dir; yields a client of the restarted server and what was acknowledged."""
+    with private_server(tmp_path / "redis", fsync) as server:
+        tq = connect(server, fsync)
         tq.create_partition(P)
         ledger = crash_during_writes(server, tq, min_calls=300)
         tq.close()
         server.start()
-        tq = connect(server, "always")
+        tq = connect(server, fsync)
         try:
-            events = [t for _, t in stored_events(tq.redis)]
-            # Every acknowledged transition is there; beyond it at most the call in flight.
-            assert events[: len(ledger.events)] == ledger.events
-            assert len(events) - len(ledger.events) <= 3
-            for key, data in ledger.data.items():
-                assert tq.redis.get(f"{PREFIX}td:{key}") == data
-            assert partition_problems(tq.redis) == []
+            yield tq, ledger
         finally:
             tq.close()
+
+
+def test_always_keeps_every_acknowledged_transition_when_killed_mid_stream(tmp_path: Path) -> None:
+    with restarted_after_a_kill_mid_stream(tmp_path, "always") as (tq, ledger):
+        events = [t for _, t in stored_events(tq.redis)]
+        # Every acknowledged transition is there; beyond it at most the call in flight.
+        assert events[: len(ledger.events)] == ledger.events
+        assert len(events) - len(ledger.events) <= 3
+        for key, data in ledger.data.items():
+            assert tq.redis.get(f"{PREFIX}td:{key}") == data
+        assert partition_problems(tq.redis) == []
 
 
 # -- appendfsync=everysec ----------------------------------------------------------------------
@@ -601,17 +611,8 @@ def test_everysec_kill_right_after_the_last_ack_leaves_a_consistent_prefix(tmp_p
 
 
 def test_everysec_kill_mid_stream_leaves_a_consistent_prefix(tmp_path: Path) -> None:
-    with private_server(tmp_path / "redis", "everysec") as server:
-        tq = connect(server, "everysec")
-        tq.create_partition(P)
-        ledger = crash_during_writes(server, tq, min_calls=300)
-        tq.close()
-        server.start()
-        tq = connect(server, "everysec")
-        try:
-            assert_consistent_prefix(tq, ledger)
-        finally:
-            tq.close()
+    with restarted_after_a_kill_mid_stream(tmp_path, "everysec") as (tq, ledger):
+        assert_consistent_prefix(tq, ledger)
 
 
 # -- check_durability ---------------------------------------------------------------------------
