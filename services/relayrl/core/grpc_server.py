@@ -25,10 +25,12 @@ components (newest first), then the metrics endpoint stops.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -279,6 +281,15 @@ class GrpcService:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+def write_ready_file(path: Path, service: GrpcService) -> None:
+    """Write `{"pid", "grpc_port", "metrics_port"}` to `path` atomically (a reader never sees
+    a half-written file): the handshake between a started service and whoever started it."""
+    data = {"pid": os.getpid(), "grpc_port": service.port, "metrics_port": service.metrics_port}
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data), encoding="utf-8")
+    partial.replace(path)
 
 
 def build_service(

@@ -81,29 +81,77 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]
 }
 
 
+class _Undecodable:
+    """Stands in for a request message that failed to parse, so the handler's scope can refuse
+    it with INVALID_ARGUMENT (gRPC itself would answer UNKNOWN with a Python exception name)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Undecodable(exc)
+
+    return decode
+
+
+async def _refuse_undecodable(
+    request: Any, details: grpc.HandlerCallDetails, context: grpc.aio.ServicerContext
+) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{details.method}: the request is not a valid message ({request.error}); check "
+            "that the client was generated from the same .proto",
+        )
+
+
 def wrap_handler(
     handler: grpc.RpcMethodHandler, details: grpc.HandlerCallDetails, scope: CallScope
 ) -> grpc.RpcMethodHandler:
-    """Return `handler` with `scope(details, context)` entered around every invocation.
+    """Return `handler` with `scope(details, context)` entered around every invocation, and
+    requests that do not parse refused with INVALID_ARGUMENT inside that scope.
 
     Handlers must be `async def` (returning a response, or writing with context.write) or
     async generators; a sync handler is refused rather than passed through unwrapped, because
     skipping the scope would skip authentication."""
     attr, factory = _KINDS[(handler.request_streaming, handler.response_streaming)]
     behavior = getattr(handler, attr)
+    streaming_request = handler.request_streaming
+
+    def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not streaming_request:
+            return request
+
+        async def messages() -> AsyncIterator[Any]:
+            async for message in request:
+                await _refuse_undecodable(message, details, context)
+                yield message
+
+        return messages()
+
     wrapped: Callable[..., Any]
     if inspect.isasyncgenfunction(behavior):
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async with scope(details, context):
-                async for response in behavior(request, context):
+                await _refuse_undecodable(request, details, context)
+                async for response in behavior(checked(request, context), context):
                     yield response
 
     elif inspect.iscoroutinefunction(behavior):
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with scope(details, context):
-                return await behavior(request, context)
+                await _refuse_undecodable(request, details, context)
+                return await behavior(checked(request, context), context)
 
     else:
         raise TypeError(
@@ -112,7 +160,7 @@ def wrap_handler(
         )
     return factory(
         wrapped,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_tolerant(handler.request_deserializer),
         response_serializer=handler.response_serializer,
     )
 

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
@@ -32,8 +33,11 @@ def service_command(
 ) -> Callable[[Sequence[str] | None], int]:
     """The console-script entry point of one service.
 
-    `config` names its ServiceConfig subclass and `serve` its `serve(config) -> exit code`
-    function, as `module:attribute`. `serve=None` marks a service whose behaviour has not landed
+    `config` names its ServiceConfig subclass and `serve` its
+    `serve(config, ready_file: Path | None) -> exit code` function, as `module:attribute`;
+    `--ready-file` asks the service to write its bound ports there once it serves (see
+    `relayrl.core.grpc_server.write_ready_file`), which is how a supervisor or a test learns
+    the ports chosen for `port: 0`. `serve=None` marks a service whose behaviour has not landed
     yet: its config is still fully validated (so deployments can be checked), and the command
     says so and exits 2. The environment prefix comes from `prog` (relayrl-reward ->
     RELAYRL_REWARD)."""
@@ -58,7 +62,8 @@ def service_command(
                 file=sys.stderr,
             )
             return EXIT_USAGE
-        return _load(serve)(loaded)
+        ready_file = Path(args.ready_file) if args.ready_file else None
+        return _load(serve)(loaded, ready_file)
 
     return main
 
@@ -71,6 +76,11 @@ def _parser(prog: str, description: str, env_prefix: str) -> argparse.ArgumentPa
         f"{env_prefix}__<SECTION>__<FIELD> (e.g. {env_prefix}__GRPC__PORT=50051).",
     )
     parser.add_argument("--config", metavar="FILE", help="YAML config file (default: defaults)")
+    parser.add_argument(
+        "--ready-file",
+        metavar="FILE",
+        help="once serving, write the bound ports and the PID to FILE as JSON",
+    )
     parser.add_argument(
         "--print-config",
         action="store_true",
