@@ -6,6 +6,5 @@ main = service_command(
     "relayrl-reward",
     description="the reward-service: scores items for the pipeline and for any team.",
     config="relayrl.reward.config:RewardConfig",
-    serve=None,
-    unavailable_reason="the reward-service lands with issue #3",
+    serve="relayrl.reward.server:serve",
 )

@@ -1,0 +1,145 @@
+"""The TransferQueue path: relayrl-reward scores trajectories as they are written, and a
+reward process SIGKILLed mid-stream loses nothing and scores nothing twice in effect."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from reward_helpers import RewardProcess
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import TrajectoryPut, TransferQueue
+from relayrl.tq.server import RedisServer
+
+P = "train"
+NUM_GROUPS, NUM_SAMPLES = 30, 2
+
+
+def reward_config(redis_url: str, sleep_s: float) -> dict:
+    return {
+        "tq": {"url": redis_url, "partitions": [P]},
+        "managers": {
+            "rules": {"type": "naive"},
+            "by_id": {"type": "custom", "path": "reward_test_plugins:by_id"},
+        },
+        "default_manager": "rules",
+        "tq_scorer": {
+            "enabled": True,
+            "partitions": [P],
+            "reader": "reward-0",  # a pod name: stable across restarts
+            "reclaim_idle_s": 0.5,
+            "read_count": 4,
+            "managers_by_data_source": {"slow": "by_id"},
+        },
+        "pipeline": {"num_workers": 2},
+    }
+
+
+def group(uid: str, data_source: str = "gsm8k") -> common_pb2.PromptGroup:
+    return common_pb2.PromptGroup(
+        uid=uid,
+        num_samples=NUM_SAMPLES,
+        prompt_token_ids=[1, 2],
+        messages=[common_pb2.ChatMessage(role="user", content="What is 1+1?")],
+        data_source=data_source,
+        ground_truth="#### 2",
+        labels={"sleep_s": "0.05"},
+    )
+
+
+def trajectory(uid: str, index: int, answer: str) -> common_pb2.Trajectory:
+    traj = common_pb2.Trajectory(
+        uid=uid,
+        index=index,
+        response_token_ids=[5, 6, 7],
+        response_text=f"thinking... #### {answer}",
+    )
+    traj.response_mask = b"\x01\x01\x01"
+    return traj
+
+
+def write_rollouts(tq: TransferQueue, uids: list[str], pause_s: float) -> None:
+    claimed = tq.claim_groups(P, max_groups=len(uids), claimer="gw", lease_s=600).claimed
+    for claim in claimed:
+        puts = [
+            TrajectoryPut(trajectory(claim.group.uid, i, "2" if i == 0 else "3"), claim.claim_id)
+            for i in range(NUM_SAMPLES)
+        ]
+        tq.put_trajectories(P, puts)
+        time.sleep(pause_s)
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def scored_transitions(tq: TransferQueue) -> Counter[str]:
+    return Counter(
+        e.key
+        for e in tq.read_events(P, count=100_000)
+        if e.kind == "trajectory" and e.to_status == "scored"
+    )
+
+
+def test_trajectories_are_scored_as_they_land_with_rule_rewards(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    service = RewardProcess(tmp_path / "r", reward_config(redis_server.url, 0)).start()
+    try:
+        tq.put_groups(P, [group("g0"), group("g1", data_source="no_such_source")])
+        write_rollouts(tq, ["g0", "g1"], pause_s=0)
+        wait_until(lambda: len(scored_transitions(tq)) == 4, 30, "4 scored trajectories")
+        (g0, g1) = tq.get_groups(P, ["g0", "g1"])
+        rewards = {f"{t.uid}_{t.index}": t.reward for t in g0.trajectories + g1.trajectories}
+        assert rewards["g0_0"].status == common_pb2.REWARD_STATUS_OK
+        assert rewards["g0_0"].score == 1.0
+        assert rewards["g0_1"].status == common_pb2.REWARD_STATUS_POLICY_FAIL
+        # An unscorable trajectory is stored with its status, never as a reward of 0.
+        assert rewards["g1_0"].status == common_pb2.REWARD_STATUS_INVALID_INPUT
+        assert "no_such_source" in rewards["g1_0"].message
+        assert g0.group.tags.status == common_pb2.GROUP_STATUS_SCORED
+    finally:
+        service.kill()
+
+
+def test_sigkill_mid_stream_loses_nothing_and_scores_nothing_twice(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    uids = [f"g{k}" for k in range(NUM_GROUPS)]
+    tq.put_groups(P, [group(uid, data_source="slow") for uid in uids])
+    config = reward_config(redis_server.url, 0.05)
+    first = RewardProcess(tmp_path / "first", config).start()
+    writer = threading.Thread(target=write_rollouts, args=(tq, uids, 0.03))
+    writer.start()
+    try:
+        wait_until(lambda: len(scored_transitions(tq)) >= 10, 60, "some scored trajectories")
+        first.kill()  # SIGKILL, mid-stream: some events read and not yet acknowledged
+        killed_at = len(scored_transitions(tq))
+        assert killed_at < NUM_GROUPS * NUM_SAMPLES
+        second = RewardProcess(tmp_path / "second", config).start()
+        try:
+            writer.join(60)
+            total = NUM_GROUPS * NUM_SAMPLES
+            wait_until(lambda: len(scored_transitions(tq)) == total, 90, "every trajectory")
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+        writer.join(60)
+    transitions = scored_transitions(tq)
+    assert set(transitions) == {f"{u}_{i}" for u in uids for i in range(NUM_SAMPLES)}
+    assert set(transitions.values()) == {1}  # each trajectory scored exactly once in effect
+    counts = tq.counts(P)
+    assert counts.trajectories.get("scored") == NUM_GROUPS * NUM_SAMPLES
+    assert counts.groups.get("scored") == NUM_GROUPS
