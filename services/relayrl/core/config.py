@@ -60,6 +60,27 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TlsServerConfig(StrictModel):
+    """TLS on the gRPC listener (`grpc.tls:`); with `client_ca_file` and
+    `require_client_cert`, mutual TLS: only clients holding a certificate signed by that CA
+    get through the handshake (and `auth.type: mtls` names them by certificate)."""
+
+    cert_file: Path = Field(description="PEM server certificate chain (a mounted Secret).")
+    key_file: Path = Field(description="PEM private key of the server certificate.")
+    client_ca_file: Path | None = Field(
+        None, description="PEM CA bundle that client certificates must chain to."
+    )
+    require_client_cert: bool = Field(
+        False, description="Refuse clients without a valid certificate (mutual TLS)."
+    )
+
+    @model_validator(mode="after")
+    def _ca_for_clients(self) -> TlsServerConfig:
+        if self.require_client_cert and self.client_ca_file is None:
+            raise ValueError("require_client_cert needs client_ca_file to check them against")
+        return self
+
+
 class GrpcServerConfig(StrictModel):
     """How a service's gRPC server listens (`grpc:` section)."""
 
@@ -108,6 +129,9 @@ class GrpcServerConfig(StrictModel):
         le=1_000_000,
         description="Calls beyond this many in flight are rejected with RESOURCE_EXHAUSTED; "
         "null means unlimited.",
+    )
+    tls: TlsServerConfig | None = Field(
+        None, description="Serve TLS (or mutual TLS); null: plaintext (a mesh may add TLS)."
     )
 
 
@@ -205,7 +229,20 @@ class StaticTokenAuthConfig(StrictModel):
         return self
 
 
-AuthConfig = Annotated[NoAuthConfig | StaticTokenAuthConfig, Field(discriminator="type")]
+class MtlsAuthConfig(StrictModel):
+    """Callers are named by the common name (CN) of their client certificate; needs
+    `grpc.tls` with `client_ca_file` and `require_client_cert: true`."""
+
+    type: Literal["mtls"] = Field(description="Authentication backend.")
+    principals: list[str] | None = Field(
+        None,
+        description="Certificate CNs accepted; null: any certificate signed by the client CA.",
+    )
+
+
+AuthConfig = Annotated[
+    NoAuthConfig | StaticTokenAuthConfig | MtlsAuthConfig, Field(discriminator="type")
+]
 
 
 class LoggingConfig(StrictModel):
@@ -254,6 +291,11 @@ class ServiceConfig(StrictModel):
             raise ValueError(
                 f"grpc.port and metrics.port are both {self.grpc.port} on {self.grpc.host}; "
                 "give them different ports"
+            )
+        tls = self.grpc.tls
+        if isinstance(self.auth, MtlsAuthConfig) and (tls is None or not tls.require_client_cert):
+            raise ValueError(
+                "auth.type mtls needs grpc.tls with client_ca_file and require_client_cert: true"
             )
         return self
 

@@ -16,6 +16,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -137,21 +138,36 @@ def make_channel(
     default_timeout_s: float = 30.0,
     bearer_token: str | None = None,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure grpc.aio channel (TLS is the mesh's job) with explicit options and the
-    CallDefaults interceptors first, so later interceptors already see the deadline.
-    Each of `interceptors` is applied to the first RPC kind it implements only (grpc.aio)."""
+    """A grpc.aio channel with explicit options and the CallDefaults interceptors first, so
+    later interceptors already see the deadline; plaintext unless `credentials` are given
+    (see `tls_credentials`). Each of `interceptors` is applied to the first RPC kind it
+    implements only (grpc.aio)."""
     if not target:
         raise ValueError("target must be a gRPC target such as 'dns:///reward:50051'")
-    return grpc.aio.insecure_channel(
-        target,
-        options=channel_options(
-            max_message_bytes=max_message_bytes,
-            keepalive_time_s=keepalive_time_s,
-            keepalive_timeout_s=keepalive_timeout_s,
-            keepalive_permit_without_calls=keepalive_permit_without_calls,
-        ),
-        interceptors=[*CallDefaults(default_timeout_s, bearer_token).interceptors(), *interceptors],
+    options = channel_options(
+        max_message_bytes=max_message_bytes,
+        keepalive_time_s=keepalive_time_s,
+        keepalive_timeout_s=keepalive_timeout_s,
+        keepalive_permit_without_calls=keepalive_permit_without_calls,
+    )
+    chain = [*CallDefaults(default_timeout_s, bearer_token).interceptors(), *interceptors]
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options, interceptors=chain)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=chain)
+
+
+def tls_credentials(
+    ca_file: Path, cert_file: Path | None = None, key_file: Path | None = None
+) -> grpc.ChannelCredentials:
+    """Client TLS: trust `ca_file`; with a certificate and key, present them (mutual TLS)."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("give both cert_file and key_file for a client certificate, or neither")
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca_file.read_bytes(),
+        private_key=key_file.read_bytes() if key_file else None,
+        certificate_chain=cert_file.read_bytes() if cert_file else None,
     )
 
 

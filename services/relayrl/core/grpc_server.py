@@ -46,6 +46,7 @@ from relayrl.core.config import (
     MetricsConfig,
     ServiceConfig,
     StaticTokenAuthConfig,
+    TlsServerConfig,
 )
 from relayrl.core.interceptors import Authenticator, build_authenticator, server_interceptors
 from relayrl.core.metrics import MetricsServer, check_service_name
@@ -185,7 +186,10 @@ class GrpcService:
 
     def _bind(self, server: grpc.aio.Server) -> int:
         address = host_port(self.config.host, self.config.port)
+        tls = self.config.tls
         try:
+            if tls is not None:
+                return server.add_secure_port(address, server_credentials(tls))
             return server.add_insecure_port(address)
         except RuntimeError as exc:
             raise OSError(
@@ -281,6 +285,24 @@ class GrpcService:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+def server_credentials(tls: TlsServerConfig) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files; an unreadable file is an OSError naming it."""
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise OSError(f"grpc.tls.{what}: cannot read {path}: {exc.strerror}") from None
+
+    return grpc.ssl_server_credentials(
+        [(read(tls.key_file, "key_file"), read(tls.cert_file, "cert_file"))],
+        root_certificates=read(tls.client_ca_file, "client_ca_file")
+        if tls.client_ca_file
+        else None,
+        require_client_auth=tls.require_client_cert,
+    )
 
 
 def write_ready_file(path: Path, service: GrpcService) -> None:

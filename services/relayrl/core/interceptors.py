@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from relayrl.core.config import (
     DEFAULT_EXEMPT_METHODS,
     HEALTH_METHODS,
+    MtlsAuthConfig,
     NoAuthConfig,
     StaticTokenAuthConfig,
     load_static_tokens,
@@ -51,6 +52,7 @@ DURATION_BUCKETS_S = (
 )  # fmt: skip
 
 Metadata = Sequence[tuple[str, str | bytes]]
+AuthContext = Mapping[str, Sequence[bytes]]
 CallScope = Callable[
     [grpc.HandlerCallDetails, grpc.aio.ServicerContext], AbstractAsyncContextManager[None]
 ]
@@ -352,8 +354,11 @@ class Authenticator(Protocol):
         """What a rejected caller should send, e.g. "metadata 'authorization: Bearer <token>'"."""
         ...
 
-    def authenticate(self, method: str, metadata: Metadata) -> Principal | None:
-        """The caller's principal, or None to reject the call with UNAUTHENTICATED."""
+    def authenticate(
+        self, method: str, metadata: Metadata, peer: AuthContext | None = None
+    ) -> Principal | None:
+        """The caller's principal, or None to reject the call with UNAUTHENTICATED. `peer` is
+        the transport's auth context (TLS certificate fields), when there is one."""
         ...
 
 
@@ -378,7 +383,9 @@ class StaticTokenAuthenticator:
             raise ValueError("StaticTokenAuthenticator needs at least one principal -> token")
         self._tokens = {principal: token.encode() for principal, token in tokens.items()}
 
-    def authenticate(self, method: str, metadata: Metadata) -> Principal | None:
+    def authenticate(
+        self, method: str, metadata: Metadata, peer: AuthContext | None = None
+    ) -> Principal | None:
         token = bearer_token(metadata)
         if token is None:
             return None
@@ -391,8 +398,28 @@ class StaticTokenAuthenticator:
         return Principal(match) if match is not None else None
 
 
+class CertificateAuthenticator:
+    """Mutual TLS: the handshake already proved the client holds a certificate signed by the
+    configured CA; its common name is the principal."""
+
+    credentials_hint = "a client certificate signed by the service's client CA"
+
+    def __init__(self, principals: Iterable[str] | None = None) -> None:
+        self._principals = None if principals is None else frozenset(principals)
+
+    def authenticate(
+        self, method: str, metadata: Metadata, peer: AuthContext | None = None
+    ) -> Principal | None:
+        names = (peer or {}).get("x509_common_name") or []
+        name = names[0].decode(errors="replace") if names else ""
+        if not name or (self._principals is not None and name not in self._principals):
+            return None
+        return Principal(name)
+
+
 def build_authenticator(
-    config: NoAuthConfig | StaticTokenAuthConfig, environ: Mapping[str, str] = os.environ
+    config: NoAuthConfig | StaticTokenAuthConfig | MtlsAuthConfig,
+    environ: Mapping[str, str] = os.environ,
 ) -> Authenticator | None:
     """The authenticator an `auth:` section asks for (None: every caller is accepted)."""
     if isinstance(config, NoAuthConfig):
@@ -404,6 +431,8 @@ def build_authenticator(
                 "(a mounted Secret) or auth.tokens_env"
             )
         return StaticTokenAuthenticator(load_static_tokens(config, environ))
+    if isinstance(config, MtlsAuthConfig):
+        return CertificateAuthenticator(config.principals)
     assert_never(config)
 
 
@@ -428,7 +457,9 @@ class AuthInterceptor(ScopeInterceptor):
     ) -> AsyncIterator[None]:
         if not self.is_exempt(details.method):
             metadata = details.invocation_metadata or ()
-            principal = self._authenticator.authenticate(details.method, metadata)
+            principal = self._authenticator.authenticate(
+                details.method, metadata, context.auth_context()
+            )
             if principal is None:
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED,
