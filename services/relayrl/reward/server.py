@@ -69,7 +69,11 @@ class RewardApp:
             from relayrl.reward.tq_scorer import TQScorer
             from relayrl.tq import TransferQueue
 
-            self._tq = TransferQueue.from_config(self.config.tq)
+            # No partitions here: creating them needs Redis, which may come up after us; the
+            # scorer's readers create theirs, retrying until Redis answers.
+            self._tq = TransferQueue.from_config(
+                self.config.tq.model_copy(update={"partitions": []})
+            )
             self._tq_scorer = TQScorer(
                 self._tq, self.pipeline, self.config.tq_scorer, self.config.default_manager
             )

@@ -81,28 +81,48 @@ class TQScorer:
         self._closing = False
 
     async def start(self) -> None:
+        """Start one reader per partition. Redis need not be up yet (in a pod it may start
+        after us): each reader retries until it can join its consumer group."""
         for partition in self._config.partitions:
-            await asyncio.to_thread(self._tq.create_partition, partition)
-            consumer = EventConsumer(
-                self._tq,
-                partition,
-                group=self._config.consumer_group,
-                reader=self._reader,
-                wants=WANTS,
-                reclaim_idle_s=self._config.reclaim_idle_s,
-                max_deliveries=self._config.max_deliveries,
-            )
             self._readers.append(
-                asyncio.create_task(self._read_loop(partition, consumer), name=f"tq-{partition}")
+                asyncio.create_task(self._read_loop(partition), name=f"tq-{partition}")
             )
-        logger.info(
-            "scoring finished trajectories of %s as reader %s of group %s",
-            ", ".join(self._config.partitions),
-            self._reader,
-            self._config.consumer_group,
-        )
 
-    async def _read_loop(self, partition: str, consumer: EventConsumer) -> None:
+    async def _join(self, partition: str) -> EventConsumer:
+        failures = 0
+        while True:
+            try:
+                await asyncio.to_thread(self._tq.create_partition, partition)
+                consumer = await asyncio.to_thread(
+                    EventConsumer,
+                    self._tq,
+                    partition,
+                    group=self._config.consumer_group,
+                    reader=self._reader,
+                    wants=WANTS,
+                    reclaim_idle_s=self._config.reclaim_idle_s,
+                    max_deliveries=self._config.max_deliveries,
+                )
+            except TQError as exc:
+                failures += 1
+                await self._backoff(f"joining consumer group on {partition}", exc, failures)
+                continue
+            logger.info(
+                "scoring finished trajectories of %s as reader %s of group %s",
+                partition,
+                self._reader,
+                self._config.consumer_group,
+            )
+            return consumer
+
+    @staticmethod
+    async def _backoff(what: str, exc: Exception, failures: int) -> None:
+        delay = RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1]
+        logger.warning("%s failed (%s); retrying in %.1f s", what, exc, delay)
+        await asyncio.sleep(delay)
+
+    async def _read_loop(self, partition: str) -> None:
+        consumer = await self._join(partition)
         failures = 0
         while not self._closing:
             async with self._room:
@@ -115,12 +135,8 @@ class TQScorer:
             try:
                 events = await asyncio.to_thread(consumer.read, count, READ_BLOCK_S)
             except TQError as exc:
-                delay = RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S) - 1)]
                 failures += 1
-                logger.warning(
-                    "reading %s events failed (%s); retrying in %.1f s", partition, exc, delay
-                )
-                await asyncio.sleep(delay)
+                await self._backoff(f"reading {partition} events", exc, failures)
                 continue
             failures = 0
             if events:
@@ -161,23 +177,30 @@ class TQScorer:
 
     def _items(self, partition: str, keys: Sequence[str]) -> list[RewardItem]:
         """Items for the finished (not yet scored) trajectories among `keys`."""
-        trajectories = []
-        for key in dict.fromkeys(keys):
-            try:
-                (trajectory,) = self._tq.get_trajectories(partition, [key])
-            except UnknownKeyError:
-                logger.warning(
-                    "%s/%s: event for a trajectory that no longer exists", partition, key
-                )
-                continue
-            if trajectory.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED:
-                trajectories.append(trajectory)
+        trajectories = [
+            t
+            for t in self._read_trajectories(partition, list(dict.fromkeys(keys)))
+            if t.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
+        ]
         uids = list(dict.fromkeys(t.uid for t in trajectories))
         groups = {
             g.group.uid: g.group
             for g in self._tq.get_groups(partition, uids, with_trajectories=False)
         }
         return [item_of(groups[t.uid], t) for t in trajectories]
+
+    def _read_trajectories(self, partition: str, keys: list[str]) -> list[common_pb2.Trajectory]:
+        try:
+            return self._tq.get_trajectories(partition, keys)
+        except UnknownKeyError:
+            pass  # rare (a dropped group): read one by one and skip the missing ones
+        found = []
+        for key in keys:
+            try:
+                found += self._tq.get_trajectories(partition, [key])
+            except UnknownKeyError:
+                logger.warning("%s/%s: event for a trajectory that is gone", partition, key)
+        return found
 
     async def _score(self, items: list[RewardItem]) -> list[RewardResult]:
         by_manager: dict[str, list[RewardItem]] = defaultdict(list)

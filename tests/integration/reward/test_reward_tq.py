@@ -143,3 +143,21 @@ def test_sigkill_mid_stream_loses_nothing_and_scores_nothing_twice(
     counts = tq.counts(P)
     assert counts.trajectories.get("scored") == NUM_GROUPS * NUM_SAMPLES
     assert counts.groups.get("scored") == NUM_GROUPS
+
+
+def test_the_service_starts_before_redis_and_scores_once_it_is_up(tmp_path: Path) -> None:
+    redis_server = RedisServer(tmp_path / "redis")  # port chosen, nothing listening yet
+    service = RewardProcess(tmp_path / "r", reward_config(redis_server.url, 0)).start()
+    try:
+        time.sleep(1.0)  # the TransferQueue reader is retrying; gRPC already serves
+        assert service.alive()
+        redis_server.start()
+        tq = TransferQueue(redis_server.client())
+        tq.create_partition(P)
+        tq.put_groups(P, [group("g0")])
+        write_rollouts(tq, ["g0"], pause_s=0)
+        wait_until(lambda: len(scored_transitions(tq)) == NUM_SAMPLES, 30, "scored trajectories")
+        tq.close()
+    finally:
+        service.kill()
+        redis_server.kill()
