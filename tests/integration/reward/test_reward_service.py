@@ -440,3 +440,23 @@ def test_sigterm_finishes_accepted_work_and_exits_zero(start_reward: Any) -> Non
     asyncio.run(scenario())
     assert service.process.wait(30) == 0
     assert "Traceback" not in service.log()
+
+
+def test_stream_deadline_returns_unfinished_items_as_timeout(start_reward: Any) -> None:
+    service = start_reward(base_config())
+
+    async def scenario() -> None:
+        channel, stub = service.stub()
+        async with channel:
+            call = stub.ScoreStream(timeout=1.5)
+            await call.write(reward_pb2.ScoreStreamRequest(item=item("ok-fast")))
+            await call.write(
+                reward_pb2.ScoreStreamRequest(item=item("ok-slow", extra={"sleep_s": "30"}))
+            )
+            await call.done_writing()
+            results = {response.result.item_id: response.result async for response in call}
+            assert results["ok-fast"].status == OK
+            assert results["ok-slow"].status == TIMEOUT
+            assert await call.code() is grpc.StatusCode.OK
+
+    asyncio.run(scenario())
