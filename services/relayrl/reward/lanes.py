@@ -74,6 +74,7 @@ class Lane:
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.queue: deque[Unit] = deque()
+        self._num_queued = 0  # entries in `queue`, settled ones included
         self.num_inflight = 0
         self._groups: dict[str, _GroupBuffer] = {}
         self._group_timeout_s: float = getattr(manager, "group_timeout_s", 300.0)
@@ -95,9 +96,11 @@ class Lane:
         if self.manager.group_aware:
             self._put_grouped(entries)
         elif self.micro_batching:
-            self.queue.extend([entry] for entry in entries)
+            for entry in entries:
+                self._enqueue([entry])
         else:
-            self.queue.extend(split_chunks(entries, self.num_workers))
+            for chunk in split_chunks(entries, self.num_workers):
+                self._enqueue(chunk)
         self._wake.set()
 
     def _put_grouped(self, entries: list[Entry]) -> None:
@@ -105,12 +108,13 @@ class Lane:
         for entry in entries:
             item = entry.item
             if not item.group_id:
-                self.queue.append([entry])
+                self._enqueue([entry])
             elif item.group_size is None:
                 by_group.setdefault(item.group_id, []).append(entry)
             else:
                 self._gate(entry, item.group_id, item.group_size)
-        self.queue.extend(by_group.values())
+        for group in by_group.values():
+            self._enqueue(group)
 
     def _gate(self, entry: Entry, group_id: str, expected: int) -> None:
         buffer = self._groups.get(group_id)
@@ -119,7 +123,7 @@ class Lane:
         buffer.entries.append(entry)
         if len(buffer.entries) >= buffer.expected:
             del self._groups[group_id]
-            self.queue.append(buffer.entries)
+            self._enqueue(buffer.entries)
 
     def _expire_groups(self, now: float) -> None:
         for group_id, buffer in list(self._groups.items()):
@@ -144,36 +148,42 @@ class Lane:
             now = loop.time()
             if self._groups:
                 self._expire_groups(now)
-            self._drop_settled()
             while self.queue and self.num_inflight < self.max_inflight:
                 batch = self._next_batch(now)
                 if batch is None:
                     break
-                self._dispatch(batch)
+                if batch:
+                    self._dispatch(batch)
             if self._closing and not self.queue and not self.num_inflight:
                 return
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._sleep_s(now)):
                     await self._wake.wait()
 
-    def _drop_settled(self) -> None:
-        """Forget queued entries that already have a result (deadline passed, evicted)."""
-        if any(e.future.done() for unit in self.queue for e in unit):
-            units = ([e for e in unit if not e.future.done()] for unit in self.queue)
-            self.queue = deque(unit for unit in units if unit)
+    def _enqueue(self, unit: Unit) -> None:
+        self.queue.append(unit)
+        self._num_queued += len(unit)
+
+    def _pop_unit(self) -> Unit:
+        """The next unit without its settled entries (a caller's deadline may have given them
+        a result while they waited): dropped here, so nothing ever scans the whole queue."""
+        unit = self.queue.popleft()
+        self._num_queued -= len(unit)
+        return [entry for entry in unit if not entry.future.done()]
 
     def _next_batch(self, now: float) -> list[Entry] | None:
+        """The next call's entries (possibly empty, when all were settled), or None while a
+        micro-batch is still filling."""
         if not self.micro_batching:
-            return self.queue.popleft()
+            return self._pop_unit()
         size = self.batching.micro_batch_size
-        waiting = sum(len(unit) for unit in self.queue)
         oldest = self.queue[0][0].accepted_at
         due = now - oldest >= self.batching.micro_batch_timeout_ms / 1000.0
-        if waiting < size and not due and not self._closing:
+        if self._num_queued < size and not due and not self._closing:
             return None
-        batch = self.queue.popleft()
+        batch = self._pop_unit()
         while self.queue and len(batch) + len(self.queue[0]) <= size:
-            batch.extend(self.queue.popleft())
+            batch.extend(self._pop_unit())
         return batch
 
     def _sleep_s(self, now: float) -> float | None:
@@ -242,6 +252,7 @@ class Lane:
         while self.queue:
             unit = self.queue[0]
             entry = unit.pop(0)
+            self._num_queued -= 1
             if not unit:
                 self.queue.popleft()
             if not entry.future.done():

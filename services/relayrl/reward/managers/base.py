@@ -37,9 +37,13 @@ Outcome = Verdict | ScoringError
 class BatchingConfig(StrictModel):
     """How items reach one manager's backend (`batching:` of a manager, or the pipeline's
     default). Items that arrive one at a time are held until `micro_batch_size` items are
-    waiting or the oldest has waited `micro_batch_timeout_ms`, then sent as one call; while
-    fewer than `max_inflight_calls` calls are running, waiting items are sent at once
-    (`eager`), because a continuously batching backend (vLLM) would rather have them now."""
+    waiting or the oldest has waited `micro_batch_timeout_ms`, then sent as one call, with at
+    most `max_inflight_calls` calls running.
+
+    There is deliberately no "send at once while a slot is free" mode: a burst would then
+    fill every slot with one-item calls and the rest of the burst would wait a whole call
+    duration. The timeout bounds what an item can lose instead: bench/reward_bench.py's
+    last-arriving item waits at most micro_batch_timeout_ms before its request starts."""
 
     micro_batch_size: int = Field(
         0,
@@ -61,12 +65,6 @@ class BatchingConfig(StrictModel):
         le=4096,
         description="Most backend calls of this manager running at once; null: the "
         "pipeline's num_workers.",
-    )
-    eager: bool = Field(
-        True,
-        description="Send waiting items at once while a call slot is free (best for "
-        "continuously batching judges); false: always wait for a full batch or the timeout "
-        "(best for backends that charge per request).",
     )
 
 
