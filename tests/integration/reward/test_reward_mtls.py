@@ -10,12 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
+from reward_helpers import RewardProcess
 
 from relayrl.core.grpc_client import make_channel, tls_credentials
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
-
-from reward_helpers import RewardProcess
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -119,5 +118,5 @@ def test_mtls_auth_without_client_certificates_is_a_config_error(tmp_path: Path)
 
     path = tmp_path / "c.yaml"
     path.write_text("auth:\n  type: mtls\n")
-    with pytest.raises(ConfigError, match="mtls needs grpc.tls"):
+    with pytest.raises(ConfigError, match=r"mtls needs grpc\.tls"):
         load_config(RewardConfig, path, "RELAYRL_REWARD", {})
