@@ -40,22 +40,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from relayrl.core.grpc_client import make_channel
+from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
 from relayrl.reward.judge_launcher import JudgeSimProcess, start_judge_sim
@@ -83,62 +76,9 @@ SEED: dict[tuple[str, str], tuple[float, float, float]] = {
 # --- the reward-service as a child process ---------------------------------------------------
 
 
-class RewardService:
-    """relayrl-reward with `config` written to a temporary directory; ports from its ready
-    file; stopped by PID (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="reward-bench-"))
-        self.config_path = self.workdir / "reward.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.ready_file = self.workdir / "ready.json"
-        self.log_path = self.workdir / "reward.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.metrics_port: int | None = None
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> RewardService:
-        binary = Path(sys.executable).parent / "relayrl-reward"
-        command = [str(binary)] if binary.exists() else [shutil.which("relayrl-reward") or ""]
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [*command, "--config", str(self.config_path), "--ready-file", str(self.ready_file)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout_s
-        while not self.ready_file.exists():
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"relayrl-reward exited {self.process.returncode}:\n{self.log()}"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"relayrl-reward not ready in {timeout_s} s:\n{self.log()}")
-            time.sleep(0.02)
-        time.sleep(0.05)  # the ready file is written whole, but give the writer a moment
-        ready = json.loads(self.ready_file.read_text())
-        self.port, self.metrics_port = ready["grpc_port"], ready["metrics_port"]
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """Idempotent; removes the temporary directory."""
-        process = self.process
-        if process is not None and process.poll() is None:
-            os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+def reward_service(config: dict[str, Any]) -> ServiceProcess:
+    """relayrl-reward with `config`, in a temporary directory removed by stop()."""
+    return ServiceProcess("relayrl-reward", config)
 
 
 def _raise_on_sigterm() -> None:
@@ -439,7 +379,7 @@ def main() -> None:
         flush=True,
     )
     judge: JudgeSimProcess | None = None
-    service: RewardService | None = None
+    service: ServiceProcess | None = None
     started = time.monotonic()
     try:
         judge = start_judge_sim(
@@ -449,7 +389,7 @@ def main() -> None:
             prefill_s=PREFILL_S,
             verdict_tokens=VERDICT_TOKENS,
         )
-        service = RewardService(service_config(judge.url, scale)).start()
+        service = reward_service(service_config(judge.url, scale)).start()
         runs = asyncio.run(bench(service.target, judge, args))
     finally:
         if service is not None:

@@ -277,7 +277,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from reward_bench import RewardService, _raise_on_sigterm
+    from reward_bench import _raise_on_sigterm, reward_service
 
     _raise_on_sigterm()
     rates = [args.rate] + ([args.over_rate] if args.over_rate > 0 else [])
@@ -287,7 +287,7 @@ def main() -> None:
         flush=True,
     )
     results: list[Result] = []
-    service = RewardService(config_dict())
+    service = reward_service(config_dict())
     started = time.monotonic()
     try:
         service.start()

@@ -116,25 +116,25 @@ def _first_failure(results: list[RewardResult]) -> _Abort | None:
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, pipeline: RewardPipeline, tenants: Tenants, config: RewardConfig) -> None:
-        self._pipeline = pipeline
-        self._tenants = tenants
+        self.pipeline = pipeline
+        self.tenants = tenants
         self._config = config
 
     # -- shared --------------------------------------------------------------------------
 
     def _tenant(self) -> str:
-        return self._tenants.name_of(current_principal())
+        return self.tenants.name_of(current_principal())
 
-    def _options(self, options: reward_pb2.ScoreOptions, tenant: str) -> SubmitOptions:
+    def options_for(self, options: reward_pb2.ScoreOptions, tenant: str) -> SubmitOptions:
         manager = options.manager or self._config.default_manager
-        if manager not in self._pipeline.managers:
+        if manager not in self.pipeline.managers:
             raise _Abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"options.manager: unknown manager {manager!r} (this tenant may use: "
-                f"{', '.join(self._tenants.allowed_managers(tenant))})",
+                f"{', '.join(self.tenants.allowed_managers(tenant))})",
             )
         with _request_errors():
-            self._tenants.check_manager(tenant, manager)
+            self.tenants.check_manager(tenant, manager)
         if options.on_error == reward_pb2.ON_ERROR_UNSPECIFIED:
             raise_on_error = self._config.pipeline.default_on_error == "raise"
         else:
@@ -146,9 +146,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> list[RewardItem]:
         items = [item_from_proto(item) for item in items_pb]
         with _request_errors():
-            self._pipeline.validate(items, options)
-            self._tenants.charge(options.tenant, sum(item.approx_tokens() for item in items))
-        self._pipeline.metrics.submissions.labels(tenant=options.tenant, api=api).inc()
+            self.pipeline.validate(items, options)
+            self.tenants.charge(options.tenant, sum(item.approx_tokens() for item in items))
+        self.pipeline.metrics.submissions.labels(tenant=options.tenant, api=api).inc()
         return items
 
     # -- unary ---------------------------------------------------------------------------
@@ -157,10 +157,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self, request: reward_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.ScoreResponse:
         try:
-            options = self._options(request.options, self._tenant())
+            options = self.options_for(request.options, self._tenant())
             items = self._accept(list(request.items), options, "score")
             with _request_errors():
-                results = await self._pipeline.score(items, options, _deadline(context))
+                results = await self.pipeline.score(items, options, _deadline(context))
             if options.raise_on_error and (failure := _first_failure(results)):
                 raise failure
         except _Abort as abort:
@@ -171,10 +171,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self, request: reward_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> reward_pb2.SubmitResponse:
         try:
-            options = self._options(request.options, self._tenant())
+            options = self.options_for(request.options, self._tenant())
             items = self._accept(list(request.items), options, "submit")
             with _request_errors():
-                handle = await self._pipeline.submit(
+                handle = await self.pipeline.submit(
                     items, options, deadline_s=_deadline(context), validated=True
                 )
         except _Abort as abort:
@@ -190,7 +190,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, f"wait_s: must be >= 0, got {request.wait_s}"
                 )
             with _request_errors():
-                handle = self._pipeline.handle(request.handle)
+                handle = self.pipeline.handle(request.handle)
                 if handle.entries[0].options.tenant != self._tenant():
                     # Another tenant's handle: indistinguishable from an unknown one.
                     raise UnknownHandle(f"handle {request.handle!r} is unknown")
@@ -199,7 +199,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             if deadline is not None:
                 wait_s = min(wait_s, max(0.0, deadline - asyncio.get_running_loop().time()))
             with _request_errors():
-                done, results = await self._pipeline.collect(request.handle, wait_s)
+                done, results = await self.pipeline.collect(request.handle, wait_s)
             raise_on_error = handle.entries[0].options.raise_on_error
             if done and raise_on_error and (failure := _first_failure(results)):
                 raise failure
@@ -216,8 +216,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.ListManagersResponse:
         tenant = self._tenant()
         infos = []
-        for name in self._tenants.allowed_managers(tenant):
-            manager = self._pipeline.managers[name]
+        for name in self.tenants.allowed_managers(tenant):
+            manager = self.pipeline.managers[name]
             infos.append(
                 reward_pb2.ManagerInfo(
                     name=name,
@@ -257,7 +257,7 @@ class _Stream:
 
     def __init__(self, servicer: RewardServicer, tenant: str, deadline: float | None) -> None:
         self._servicer = servicer
-        self._pipeline = servicer._pipeline
+        self.pipeline = servicer.pipeline
         self._tenant = tenant
         self._deadline = deadline
         self._options: SubmitOptions | None = None
@@ -277,7 +277,7 @@ class _Stream:
                             grpc.StatusCode.INVALID_ARGUMENT,
                             "options: must be the first message of the stream",
                         )
-                    self._options = self._servicer._options(request.options, self._tenant)
+                    self._options = self._servicer.options_for(request.options, self._tenant)
                 elif kind == "item":
                     await self._submit(request.item, index)
                 else:
@@ -294,7 +294,7 @@ class _Stream:
 
     async def _submit(self, message: common_pb2.RewardItem, index: int) -> None:
         if self._options is None:
-            self._options = self._servicer._options(_DEFAULT_OPTIONS, self._tenant)
+            self._options = self._servicer.options_for(_DEFAULT_OPTIONS, self._tenant)
         options = self._options
         item = item_from_proto(message)
         where = f"message {index}: item"
@@ -306,22 +306,22 @@ class _Stream:
             )
         self._seen.add(item.item_id)
         try:
-            self._pipeline.validate([item], options)
+            self.pipeline.validate([item], options)
         except InvalidRequest as exc:
             raise _Abort(
                 grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace("items[0]", where, 1)
             ) from None
         try:
-            self._servicer._tenants.charge(options.tenant, item.approx_tokens())
+            self._servicer.tenants.charge(options.tenant, item.approx_tokens())
         except QuotaExceeded as exc:
             # One item over quota: that item comes back RATE_LIMITED; the stream goes on.
             self._out.put_nowait(
                 RewardResult.failed(item.item_id, RateLimited(str(exc), exc.retry_after_s))
             )
             return
-        self._pipeline.metrics.submissions.labels(tenant=options.tenant, api="stream").inc()
+        self.pipeline.metrics.submissions.labels(tenant=options.tenant, api="stream").inc()
         with _request_errors():
-            handle = await self._pipeline.submit(
+            handle = await self.pipeline.submit(
                 [item], options, deadline_s=self._deadline, validated=True
             )
         self._outstanding[item.item_id] = handle
@@ -346,7 +346,7 @@ class _Stream:
                 raise message
             handle = self._outstanding.pop(message.item_id, None)
             if handle is not None:
-                self._pipeline.forget(handle)
+                self.pipeline.forget(handle)
             raise_on_error = self._options is not None and self._options.raise_on_error
             if raise_on_error and (failure := _first_failure([message])):
                 raise failure
@@ -354,7 +354,7 @@ class _Stream:
 
     def expire(self, message: str) -> None:
         for handle in list(self._outstanding.values()):
-            self._pipeline.expire(handle, message)
+            self.pipeline.expire(handle, message)
 
 
 _DEFAULT_OPTIONS = reward_pb2.ScoreOptions()

@@ -4,6 +4,8 @@ deadlines, back-pressure, auth and quotas, bad messages, metrics."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -433,12 +435,12 @@ def test_sigterm_finishes_accepted_work_and_exits_zero(start_reward: Any) -> Non
                 reward_pb2.ScoreRequest(items=[item("ok-1", extra={"sleep_s": "0.5"})])
             )
             await asyncio.sleep(0.2)
-            service.process.send_signal(15)
+            os.kill(service.pid, signal.SIGTERM)
             response = await call
             assert response.results[0].status == OK
 
     asyncio.run(scenario())
-    assert service.process.wait(30) == 0
+    assert service.process.wait(30) == 0  # type: ignore[union-attr]
     assert "Traceback" not in service.log()
 
 

@@ -1,0 +1,138 @@
+"""A relayrl service run as a child process: its config written to a file, its ports read
+from the `--ready-file` it writes once serving, stopped by PID.
+
+    with ServiceProcess("relayrl-reward", config, workdir) as reward:
+        channel = make_channel(reward.target)
+
+Used by the integration tests, the benchmarks and the local supervisor; stdlib and PyYAML only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+
+def console_script(name: str) -> str:
+    """The path of one of our console scripts: next to this interpreter (a venv), else PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} is not installed next to {sys.executable} nor on PATH")
+    return found
+
+
+class ServiceProcess:
+    """One service process. `workdir` holds its config, ready file and log (a temporary
+    directory, removed by `stop()`, when not given)."""
+
+    def __init__(
+        self,
+        command: str,
+        config: Mapping[str, Any],
+        workdir: Path | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.command = command
+        self._owns_workdir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"{command}-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = self.workdir / f"{command}.yaml"
+        self.config_path.write_text(yaml.safe_dump(dict(config)), encoding="utf-8")
+        self.ready_file = self.workdir / f"{command}.ready.json"
+        self.log_path = self.workdir / f"{command}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self.process is None:
+            raise RuntimeError(f"{self.command} is not started")
+        return self.process.pid
+
+    def start(self, timeout_s: float = 60.0) -> ServiceProcess:
+        """Start and wait until it serves (its ready file exists); raise with its log if it
+        exits or does not get ready in time (and then it is killed)."""
+        self.ready_file.unlink(missing_ok=True)
+        argv = [
+            console_script(self.command),
+            "--config",
+            str(self.config_path),
+            "--ready-file",
+            str(self.ready_file),
+        ]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_file.exists():
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                raise RuntimeError(f"{self.command} exited {code}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"{self.command} not ready in {timeout_s} s:\n{self.log()}")
+            time.sleep(0.02)
+        ready = json.loads(self.ready_file.read_text(encoding="utf-8"))
+        self.port, self.metrics_port = ready["grpc_port"], ready["metrics_port"]
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (a graceful stop) and wait; the exit code."""
+        os.kill(self.pid, signal.SIGTERM)
+        return self.process.wait(timeout_s)  # type: ignore[union-attr]
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; idempotent."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            self.process.wait(30)  # type: ignore[union-attr]
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`; idempotent. Removes a temporary workdir."""
+        if self.alive():
+            try:
+                self.terminate(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
