@@ -32,7 +32,7 @@ from relayrl.reward.managers.sandbox import (
 MIB = 1024 * 1024
 TIME_LIMIT_S = 1.0
 # Startup, reaping and a loaded 2-core machine, on top of a limit.
-SLACK_S = 5.0
+KILLED_WITHIN_S = 30.0
 
 DOUBLE = "def double(x):\n    return 2 * x\n"
 DOUBLE_TESTS = "assert double(1) == 2\nassert double(0) == 0\nassert double(-3) == -6\n"
@@ -246,7 +246,9 @@ def test_an_infinite_loop_hits_the_time_limit_and_leaves_no_process() -> None:
     verdict, pids, elapsed = run(body)  # type: ignore[misc]
     assert (verdict.status, verdict.score) == (Status.POLICY_FAIL, 0.0)
     assert verdict.message.startswith(f"time limit {TIME_LIMIT_S} s exceeded in test 1")
-    assert TIME_LIMIT_S <= elapsed < TIME_LIMIT_S + SLACK_S
+    # Not killed early; and killed at all (the loop never ends by itself): the upper bound is
+    # generous because this machine is shared, not a performance claim.
+    assert TIME_LIMIT_S <= elapsed < TIME_LIMIT_S + KILLED_WITHIN_S
     assert pids and all(gone(pid) for pid in pids)
 
 

@@ -26,6 +26,7 @@ configs stays cheap.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import copy
 import email.utils
@@ -528,8 +529,7 @@ def _by_index(entries: Any, count: int, what: str, url: str) -> list[dict[str, A
 
 
 class _HttpJudgeManager(RewardManager):
-    """What the three judge managers share: the client, ground-truth checks, close(), and a
-    `score_batch` that sends one request for the whole batch (the batching judges' path)."""
+    """What the three judge managers share: the client, ground-truth checks, close()."""
 
     def __init__(
         self,
@@ -555,6 +555,16 @@ class _HttpJudgeManager(RewardManager):
                 "truth, and the item has none"
             )
 
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class _BatchJudgeManager(_HttpJudgeManager, abc.ABC):
+    """A judge whose API takes many inputs in one request (completions, classify): one
+    request per batch, answers matched back to items by their index."""
+
+    supports_batch: ClassVar[bool] = True
+
     async def score_batch(self, items: Sequence[RewardItem]) -> list[Outcome]:
         if not items:
             return []
@@ -578,14 +588,13 @@ class _HttpJudgeManager(RewardManager):
             return [copy.copy(exc) for _ in items]
         return self._outcomes(body, len(items))
 
+    @abc.abstractmethod
     def _payload(self, texts: list[str]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The request body carrying every text."""
 
+    @abc.abstractmethod
     def _outcomes(self, body: dict[str, Any], count: int) -> list[Outcome]:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        await self.client.close()
+        """One outcome per input, in input order, from the response body."""
 
 
 # -- remote: a chat-completions judge -------------------------------------------------------
@@ -671,11 +680,6 @@ class RemoteManager(_HttpJudgeManager):
             raise InfraError(f"judge {self.client.url} answered a choice without text content")
         return self._parser.parse(content, choice.get("finish_reason"))
 
-    async def score_batch(self, items: Sequence[RewardItem]) -> list[Outcome]:
-        """One chat request per item (chat APIs take one conversation a request), at most
-        max_concurrent at once."""
-        return await RewardManager.score_batch(self, items)
-
 
 # -- genrm: a generative reward model on vLLM's completions API -----------------------------
 
@@ -713,7 +717,7 @@ class GenRMConfig(HttpJudgeConfigBase):
         return GenRMManager(name, self)
 
 
-class GenRMManager(_HttpJudgeManager):
+class GenRMManager(_BatchJudgeManager):
     """One completions request per batch; choices are matched to items by their `index`."""
 
     supports_batch: ClassVar[bool] = True
@@ -803,7 +807,7 @@ class DisRMConfig(HttpJudgeConfigBase):
         return DisRMManager(name, self)
 
 
-class DisRMManager(_HttpJudgeManager):
+class DisRMManager(_BatchJudgeManager):
     """One classify (or pooling) request per batch; entries matched to items by `index`."""
 
     supports_batch: ClassVar[bool] = True
