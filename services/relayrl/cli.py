@@ -3,6 +3,8 @@
     relayrl up                    run the whole system locally and train (the main job)
     relayrl tq counts             prompt groups and trajectories by status, per partition
     relayrl tq events PARTITION   the last transitions of a partition
+    relayrl model init DIR        write a tiny Qwen2 model and its tokenizer, built from a seed
+    relayrl engine [MODEL]        start a vLLM engine replica with relayrl's worker extension
 
 User mistakes (bad arguments, unreachable Redis) end with one line on stderr and exit code 2.
 """
@@ -12,6 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 EXIT_USAGE = 2
 
@@ -70,6 +77,70 @@ def cmd_tq_events(args: argparse.Namespace) -> int:
     return 0
 
 
+# `relayrl model init` flags that set a TinyModelConfig field of the same name.
+MODEL_INIT_FIELDS = (
+    "seed",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+)
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from relayrl.models import TinyModelConfig  # pydantic only: mistakes are reported at once
+
+    given = {
+        name: getattr(args, name) for name in MODEL_INIT_FIELDS if getattr(args, name) is not None
+    }
+    try:
+        config = TinyModelConfig(**given)
+    except ValidationError as exc:
+        raise ValueError("; ".join(_flag_error(e) for e in exc.errors(include_url=False))) from None
+    from relayrl.models.tiny import init_model  # torch, transformers
+
+    try:
+        info = init_model(args.directory, config, overwrite=args.force)
+    except OSError as exc:
+        raise ValueError(f"cannot write {args.directory}: {exc.strerror or exc}") from None
+    print(f"wrote a tiny Qwen2: {info.summary()}")
+    return 0
+
+
+def _flag_error(error: ErrorDetails) -> str:
+    """A validation error in the words of the command line: `--hidden-size: ...`."""
+    message = error["msg"].removeprefix("Value error, ")
+    if not error["loc"]:
+        return message
+    return f"--{str(error['loc'][0]).replace('_', '-')}: {message}"
+
+
+def _add_model_parser(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="build the tiny model used by tests and local runs")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    init = model_sub.add_parser(
+        "init",
+        help="write a tiny Qwen2 model (random weights from a seed) and its tokenizer into DIR",
+        description="Train a byte-level BPE tokenizer on a generated corpus and save it with a "
+        "randomly initialized Qwen2 causal LM (fp32 safetensors) in Hugging Face format. "
+        "Unset sizes take TinyModelConfig's defaults (about 0.5M parameters).",
+    )
+    init.add_argument("directory", type=Path, metavar="DIR", help="where to write the model")
+    init.add_argument("--seed", type=int, help="seed of the weight init (default 0)")
+    init.add_argument("--vocab-size", type=int, help="tokens in the vocabulary (default 512)")
+    init.add_argument("--hidden-size", type=int, help="residual width (default 128)")
+    init.add_argument("--num-layers", type=int, help="decoder layers (default 3)")
+    init.add_argument("--num-heads", type=int, help="query heads (default 4)")
+    init.add_argument("--num-kv-heads", type=int, help="key/value heads (default 2)")
+    init.add_argument("--intermediate-size", type=int, help="MLP width (default 256)")
+    init.add_argument("--force", action="store_true", help="write over a non-empty DIR")
+    init.set_defaults(func=cmd_model_init)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relayrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,10 +158,27 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("partition")
     events.add_argument("-n", "--count", type=int, default=20, help="how many (default 20)")
     events.set_defaults(func=cmd_tq_events)
+    _add_model_parser(sub)
+    engine = sub.add_parser(
+        "engine",
+        add_help=False,  # its own parser answers --help
+        help="start a vLLM engine replica (relayrl engine --help for its options)",
+    )
+    engine.add_argument("rest", nargs=argparse.REMAINDER)
+    engine.set_defaults(func=cmd_engine)
     return parser
 
 
+def cmd_engine(args: argparse.Namespace) -> int:
+    from relayrl.engine.launcher import main as engine_main
+
+    return engine_main(args.rest, prog="relayrl engine")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["engine"]:  # its own parser, flags and --help included
+        return cmd_engine(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     from relayrl.tq import TQError  # after parsing: --help must not import redis
 

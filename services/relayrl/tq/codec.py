@@ -179,7 +179,10 @@ def encode_trajectory(value: object, partition: str, max_value_bytes: int) -> En
     _check_trajectory_shape(traj, where)
     data = _stored_form(traj, _TRAJECTORY_OWNED).SerializeToString(deterministic=True)
     _check_size(data, where, max_value_bytes)
-    versions = [span.policy_version for span in traj.spans] or [0]
+    # Observation spans (tool output, mask 0) were not sampled by any policy version; a writer
+    # that marks no span as generated gets every span counted.
+    sampled = [span for span in traj.spans if span.generated] or traj.spans
+    versions = [span.policy_version for span in sampled] or [0]
     return EncodedTrajectory(
         uid=uid,
         index=traj.index,

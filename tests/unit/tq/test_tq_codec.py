@@ -108,3 +108,13 @@ def test_script_errors_become_typed_exceptions(reply: str, error: type, text: st
 def test_other_redis_errors_pass_through() -> None:
     original = redis.ResponseError("ERR something else")
     assert translate_error("train", original) is original
+
+
+def test_policy_versions_ignore_observation_spans() -> None:
+    traj = common_pb2.Trajectory(uid="g", index=0, prompt_token_ids=[1], response_token_ids=[5] * 6)
+    traj.response_mask = b"\x01\x01\x00\x00\x01\x01"
+    traj.spans.add(start=0, end=2, policy_version=4, generated=True)
+    traj.spans.add(start=2, end=4, policy_version=-1, generated=False)  # a tool's output
+    traj.spans.add(start=4, end=6, policy_version=5, generated=True)
+    encoded = codec.encode_trajectory(traj, "train", 1 << 20)
+    assert (encoded.min_policy_version, encoded.max_policy_version) == (4, 5)

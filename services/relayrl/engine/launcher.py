@@ -1,0 +1,131 @@
+"""`relayrl engine`: start a vLLM OpenAI server for one engine replica, with the RL endpoints
+(pause/resume, weight version, collective RPC), the token-in/token-out generate endpoint and
+relayrl's worker extension.
+
+The command execs vLLM itself, so the engine *is* the process a supervisor started: its PID,
+its signals, its exit code. On cpu it applies the settings measured on our CPU machines
+(DESIGN §9: eager mode, in-process executor, ~25 s to ready).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from relayrl.engine.config import EngineConfig
+
+WORKER_EXTENSION = "relayrl.engine.worker_extension.RelayrlWorkerExtension"
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def resolve_device(config: EngineConfig) -> str:
+    if config.device != "auto":
+        return config.device
+    return "cuda" if Path("/dev/nvidia0").exists() or Path("/dev/nvidiactl").exists() else "cpu"
+
+
+def check_model_dir(model: Path) -> None:
+    """Raise ValueError saying what is missing when `model` is not a loadable HF folder."""
+    if not model.is_dir():
+        raise ValueError(f"model folder {model} does not exist (make one: relayrl model init DIR)")
+    for name in ("config.json", "tokenizer_config.json"):
+        if not (model / name).is_file():
+            raise ValueError(f"model folder {model} has no {name}; is it a Hugging Face model?")
+
+
+def vllm_command(config: EngineConfig, python: str = sys.executable) -> list[str]:
+    device = resolve_device(config)
+    dtype = (
+        config.dtype if config.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    )
+    argv = [
+        python, "-m", VLLM_SERVER_MODULE,
+        "--model", str(config.model),
+        "--served-model-name", config.served_model_name,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--dtype", dtype,
+        "--max-model-len", str(config.max_model_len),
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--seed", str(config.seed),
+        "--enable-scale-out",  # /inference/v1/generate: token ids in, token ids out
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    argv.append(
+        "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching"
+    )
+    if device == "cpu":
+        argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
+    else:
+        argv += [
+            "--tensor-parallel-size", str(config.tensor_parallel_size),
+            "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+        ]  # fmt: skip
+    return argv + list(config.extra_args)
+
+
+def vllm_environment(config: EngineConfig, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    cache = config.cache_dir or config.model.parent / ".vllm-cache"
+    env = {
+        **base,
+        "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, weight version
+        "VLLM_CACHE_ROOT": str(cache),
+        "TMPDIR": str(cache / "tmp"),
+    }
+    if resolve_device(config) == "cpu":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_space_gib)
+    return env
+
+
+def exec_engine(config: EngineConfig) -> None:
+    """Replace this process with the vLLM server (never returns)."""
+    check_model_dir(config.model)
+    env = vllm_environment(config)
+    Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    argv = vllm_command(config)
+    os.execve(argv[0], argv, env)
+
+
+def main(argv: list[str] | None = None, prog: str = "relayrl engine") -> int:
+    """`relayrl engine [MODEL] [--config FILE] [--host H] [--port N] [--print-command]`."""
+    import argparse
+    import shlex
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="start a vLLM OpenAI server (one engine replica) with relayrl's worker "
+        "extension and the RL endpoints",
+        epilog="Every config field can also be set by RELAYRL_ENGINE__<FIELD>.",
+    )
+    parser.add_argument("model", nargs="?", help="model folder (overrides the config's `model`)")
+    parser.add_argument("--config", metavar="FILE", help="YAML EngineConfig")
+    parser.add_argument("--host", help="interface to bind")
+    parser.add_argument("--port", type=int, help="HTTP port")
+    parser.add_argument(
+        "--print-command", action="store_true", help="print the vLLM command line and exit"
+    )
+    args = parser.parse_args(argv)
+    from relayrl.core.config import ConfigError, load_config
+
+    environ = dict(os.environ)
+    for name in ("model", "host", "port"):
+        value = getattr(args, name)
+        if value is not None:
+            environ[f"RELAYRL_ENGINE__{name.upper()}"] = str(value)
+    try:
+        config = load_config(EngineConfig, args.config, "RELAYRL_ENGINE", environ)
+        check_model_dir(config.model)
+    except (ConfigError, ValueError) as exc:
+        message = str(exc)
+        if "model" in message and "Field required" in message:
+            message = "no model folder: give MODEL or set `model` in --config"
+        print(f"{prog}: {message}", file=sys.stderr)
+        return 2
+    if args.print_command:
+        print(shlex.join(vllm_command(config)))
+        return 0
+    exec_engine(config)
+    return 0  # not reached: exec_engine replaces the process

@@ -1,0 +1,124 @@
+"""An engine replica as a child process (`python -m relayrl.engine`), for tests, benchmarks
+and the local supervisor: started on a free loopback port, ready when /health answers,
+stopped by PID.
+
+The engine runs in its own session (process group) because vLLM may start helper processes
+(an engine core, a resource tracker) that outlive a signal sent to the server alone; stopping
+signals the server first, then whatever is left in its group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+import yaml
+
+from relayrl.engine.config import EngineConfig
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, workdir: Path) -> None:
+        if config.port == 8000:  # the default: pick a free one instead
+            config = config.model_copy(update={"port": free_port(config.host)})
+        self.config = config
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = workdir / "engine.yaml"
+        self.config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+        self.log_path = workdir / "engine.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    @property
+    def pid(self) -> int:
+        if self.process is None:
+            raise RuntimeError("the engine is not started")
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout_s: float = 300.0) -> EngineProcess:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "relayrl.engine", "--config", str(self.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"engine exited {self.process.returncode}:\n{self.log()[-5000:]}"
+                )
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"engine not ready in {timeout_s} s:\n{self.log()[-5000:]}")
+            time.sleep(0.25)
+        return self
+
+    def _healthy(self) -> bool:
+        try:
+            with _NO_PROXY.open(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL to the engine and its helpers, as a crashed pod; idempotent."""
+        if self.process is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM (a graceful stop), then SIGKILL to anything left in its group; idempotent."""
+        if self.process is None:
+            return
+        if self.alive():
+            os.kill(self.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout_s)
+        self.kill()
+
+    def _signal_group(self, signum: signal.Signals) -> None:
+        # The group id is the server's PID (start_new_session); it outlives the server while
+        # any helper of it runs.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signum)
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

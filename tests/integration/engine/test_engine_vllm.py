@@ -1,0 +1,164 @@
+"""A real vLLM engine started by `python -m relayrl.engine` on the tiny model, driven through
+`VllmEngineClient`: token-in/token-out with log-probs that match transformers, weight-version
+spans across a pause, the worker extension loading tensors in place, clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from relayrl.engine.client import (
+    EngineRejected,
+    EngineUnavailable,
+    GenerateRequest,
+    Generation,
+    SamplingOptions,
+    VllmEngineClient,
+)
+from relayrl.engine.config import EngineConfig
+from relayrl.engine.process import EngineProcess, free_port
+from relayrl.models.tiny import TinyModelConfig, init_model
+
+PROMPT = (3, 17, 42, 99, 7, 250)
+GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("model") / "tiny"
+    init_model(directory, TinyModelConfig())
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    workdir = tmp_path_factory.mktemp("engine")
+    config = EngineConfig(model=model_dir, max_model_len=512, cache_dir=workdir / "cache")
+    process = EngineProcess(config, workdir).start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def run(engine: EngineProcess, scenario):  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]
+        client = VllmEngineClient(engine.url)
+        try:
+            return await scenario(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def request(
+    sampling: SamplingOptions = GREEDY, prompt: tuple[int, ...] = PROMPT
+) -> GenerateRequest:
+    return GenerateRequest(f"test-{uuid.uuid4().hex[:8]}", prompt, sampling)
+
+
+def transformers_greedy(model_dir: Path, num_tokens: int) -> tuple[list[int], list[float]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    ids = list(PROMPT)
+    logprobs = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            log_softmax = torch.log_softmax(logits.double(), dim=-1)
+            token = int(torch.argmax(logits))
+            ids.append(token)
+            logprobs.append(float(log_softmax[token]))
+    return ids[len(PROMPT) :], logprobs
+
+
+def test_tokens_and_logprobs_match_transformers_on_the_same_weights(
+    engine: EngineProcess, model_dir: Path
+) -> None:
+    generation: Generation = run(engine, lambda client: client.generate(request()))
+    expected_ids, expected_logprobs = transformers_greedy(model_dir, GREEDY.max_tokens)
+    assert list(generation.token_ids) == expected_ids
+    assert generation.logprobs == pytest.approx(expected_logprobs, abs=1e-3)
+    assert generation.finish_reason == "length"
+    assert [(s.start, s.end) for s in generation.version_spans] == [(0, GREEDY.max_tokens)]
+
+
+def test_a_pause_keep_across_a_version_change_splits_the_spans(engine: EngineProcess) -> None:
+    long = SamplingOptions(max_tokens=400, temperature=1.0, seed=1, ignore_eos=True)
+
+    async def scenario(client: VllmEngineClient) -> Generation:
+        await client.set_weight_version("3")
+        rollout = asyncio.create_task(client.generate(request(long)))
+        await asyncio.sleep(0.05)
+        await client.pause("keep")
+        assert await client.is_paused()
+        await client.set_weight_version("4")
+        await client.reset_prefix_cache()
+        await client.resume()
+        assert not await client.is_paused()
+        assert await client.weight_version() == "4"
+        return await rollout
+
+    generation = run(engine, scenario)
+    spans = generation.version_spans
+    assert [s.version for s in spans] == ["3", "4"], spans
+    assert spans[0].start == 0 and spans[0].end == spans[1].start and spans[1].end == 400
+    assert len(generation.token_ids) == len(generation.logprobs) == 400
+
+
+def test_worker_extension_reports_digests_and_loads_tensors_in_place(
+    engine: EngineProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    original = load_file(model_dir / "model.safetensors")
+    changed = {name: (t * 0 if name.endswith("norm.weight") else t) for name, t in original.items()}
+    save_file(changed, tmp_path / "changed.safetensors")
+    save_file(original, tmp_path / "original.safetensors")
+
+    async def scenario(client: VllmEngineClient) -> None:
+        (before,) = await client.worker_rpc("relayrl_weight_info", {})
+        baseline = await client.generate(request())
+        (loaded,) = await client.worker_rpc(
+            "relayrl_load_tensors", {"path": str(tmp_path / "changed.safetensors")}
+        )
+        assert "model.norm.weight" in loaded["loaded"]
+        (after,) = await client.worker_rpc("relayrl_weight_info", {})
+        assert after["digest"] != before["digest"]
+        flat = await client.generate(request())
+        # Zeroed norms make every logit equal: log(1 / vocab) for each sampled token.
+        assert flat.logprobs[0] == pytest.approx(-torch.log(torch.tensor(512.0)).item(), abs=1e-4)
+        await client.worker_rpc(
+            "relayrl_load_tensors", {"path": str(tmp_path / "original.safetensors")}
+        )
+        (restored,) = await client.worker_rpc("relayrl_weight_info", {})
+        assert restored["digest"] == before["digest"]
+        again = await client.generate(request())
+        assert again.token_ids == baseline.token_ids
+
+    run(engine, scenario)
+
+
+def test_bad_requests_are_rejected_and_a_dead_engine_is_unavailable(
+    engine: EngineProcess,
+) -> None:
+    async def scenario(client: VllmEngineClient) -> None:
+        with pytest.raises(EngineRejected, match="400"):
+            await client.generate(request(prompt=(10**6,)))  # not in the vocabulary
+        with pytest.raises(ValueError, match="not a relayrl worker-extension method"):
+            await client.worker_rpc("reset_weights", {})
+        assert await client.health()
+        dead = VllmEngineClient(f"http://127.0.0.1:{free_port()}")
+        try:
+            assert not await dead.health()
+            with pytest.raises(EngineUnavailable):
+                await dead.generate(request())
+        finally:
+            await dead.close()
+
+    run(engine, scenario)
