@@ -9,8 +9,10 @@ its signals, its exit code. On cpu it applies the settings measured on our CPU m
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -66,13 +68,27 @@ def vllm_command(config: EngineConfig, python: str = sys.executable) -> list[str
     return argv + list(config.extra_args)
 
 
+# vLLM's engine core talks over ZeroMQ ipc:// sockets created in TMPDIR, and a Unix socket
+# path may not exceed 107 bytes.
+MAX_TMPDIR_CHARS = 60
+
+
+def short_tmpdir(preferred: Path) -> Path:
+    """`preferred` if short enough for vLLM's ipc sockets, else a short, stable folder under
+    the system temp dir named after it."""
+    if len(str(preferred)) <= MAX_TMPDIR_CHARS:
+        return preferred
+    digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"relayrl-vllm-{digest}"
+
+
 def vllm_environment(config: EngineConfig, base: Mapping[str, str] = os.environ) -> dict[str, str]:
     cache = config.cache_dir or config.model.parent / ".vllm-cache"
     env = {
         **base,
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, weight version
         "VLLM_CACHE_ROOT": str(cache),
-        "TMPDIR": str(cache / "tmp"),
+        "TMPDIR": str(short_tmpdir(cache / "tmp")),
     }
     if resolve_device(config) == "cpu":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -6,6 +6,5 @@ main = service_command(
     "relayrl-gateway",
     description="the rollout-gateway: prompt groups in, trajectories out, on vLLM engines.",
     config="relayrl.gateway.config:GatewayConfig",
-    serve=None,
-    unavailable_reason="the rollout-gateway lands with issue #4",
+    serve="relayrl.gateway.server:serve",
 )

@@ -13,13 +13,13 @@ tests/unit/reward/test_reward_plugin_contract.py pins both signatures.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import Field
 
+from relayrl.core.dotted import import_object
 from relayrl.reward.items import InfraError, RewardItem, Verdict
 from relayrl.reward.managers.base import ManagerConfigBase, ManagerContext, RewardManager
 
@@ -27,19 +27,8 @@ DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Z
 
 
 def import_dotted(path: str) -> Any:
-    """`package.module:attribute` (attribute may be dotted) -> the object; ValueError saying
-    what is missing otherwise."""
-    module_name, _, attribute = path.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} of {path!r}: {exc}") from None
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(f"{path!r}: {module_name} has no attribute {attribute!r}") from None
-    return target
+    """`package.module:attribute` -> the object (see relayrl.core.dotted)."""
+    return import_object(path, "custom manager")
 
 
 class CustomConfig(ManagerConfigBase):

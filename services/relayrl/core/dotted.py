@@ -1,0 +1,29 @@
+"""Importing operator-configured plug-ins by dotted path (`package.module:Attribute`).
+
+Only ever called on paths from an operator's config file, never on anything a remote caller
+sends: services pick plug-ins by configured name, so no request can make them import code."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def import_object(path: str, what: str = "plug-in") -> Any:
+    """`package.module:attribute` (the attribute may be dotted) -> the object; ValueError
+    naming the path and what is missing otherwise."""
+    module_name, colon, attribute = path.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"{what} path {path!r} is not of the form package.module:Attribute")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {exc}") from None
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(
+                f"{what} {path!r}: {module_name} has no attribute {attribute!r}"
+            ) from None
+    return target

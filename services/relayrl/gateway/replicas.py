@@ -1,0 +1,244 @@
+"""The pool of engine replicas the gateway routes to: health checks, sticky sessions, drain,
+pause/resume across a weight-version change.
+
+Routing is sticky by session (a trajectory, or a black-box agent's session): the first request
+of a session picks the serving replica with the fewest requests in flight, and every later
+request goes to the same replica while it serves (its prefix cache holds the conversation). A
+replica that fails its health check `unhealthy_after` times in a row, or that an operator or
+weight-sync drains, leaves routing; its sessions move on their next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from relayrl.engine.client import EngineClient, EngineError, PauseMode
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaState(enum.Enum):
+    SERVING = "serving"
+    PAUSED = "paused"
+    LOADING = "loading"
+    DRAINED = "drained"
+    UNHEALTHY = "unhealthy"
+
+
+class NoReplicaAvailable(Exception):
+    """No replica is serving (all paused, drained or unhealthy)."""
+
+
+@dataclass(eq=False)
+class Replica:
+    replica_id: str
+    client: EngineClient
+    source: str = "config"  # or "endpointslice"
+    state: ReplicaState = ReplicaState.SERVING
+    weight_version: str = ""
+    num_inflight: int = 0
+    num_failed_checks: int = 0
+    last_error: str = ""
+    sessions: set[str] = field(default_factory=set)
+
+    @property
+    def routable(self) -> bool:
+        return self.state is ReplicaState.SERVING
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        *,
+        health_interval_s: float = 5.0,
+        unhealthy_after: int = 2,
+        on_change: Callable[[Replica], None] | None = None,
+    ) -> None:
+        self._replicas: dict[str, Replica] = {}
+        self._sessions: dict[str, Replica] = {}
+        self._health_interval_s = health_interval_s
+        self._unhealthy_after = unhealthy_after
+        self._on_change = on_change or (lambda replica: None)
+        self._routable = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+
+    # -- membership ----------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def get(self, replica_id: str) -> Replica:
+        try:
+            return self._replicas[replica_id]
+        except KeyError:
+            known = ", ".join(sorted(self._replicas)) or "none"
+            raise KeyError(f"unknown replica {replica_id!r} (known: {known})") from None
+
+    async def add(self, replica_id: str, client: EngineClient, source: str = "config") -> Replica:
+        """Register a replica; it serves once its first health check passes."""
+        if replica_id in self._replicas:
+            raise ValueError(f"replica {replica_id!r} is already registered")
+        replica = Replica(replica_id, client, source, state=ReplicaState.UNHEALTHY)
+        self._replicas[replica_id] = replica
+        await self.check(replica)
+        return replica
+
+    async def remove(self, replica_id: str) -> None:
+        """Forget a replica (its endpoint is gone); its sessions move on their next request."""
+        replica = self._replicas.pop(replica_id, None)
+        if replica is not None:
+            self._forget_sessions(replica)
+            self._refresh()
+            await replica.client.close()
+
+    # -- health --------------------------------------------------------------------------
+
+    async def check(self, replica: Replica) -> None:
+        healthy = await replica.client.health()
+        if healthy:
+            replica.num_failed_checks = 0
+            if replica.state is ReplicaState.UNHEALTHY:
+                with contextlib.suppress(EngineError):
+                    replica.weight_version = await replica.client.weight_version()
+                self._set_state(replica, ReplicaState.SERVING, "health check passed")
+            return
+        replica.num_failed_checks += 1
+        if (
+            replica.num_failed_checks >= self._unhealthy_after
+            or replica.state is ReplicaState.UNHEALTHY
+        ):
+            self.mark_unhealthy(replica, "health check failed")
+
+    def mark_unhealthy(self, replica: Replica, reason: str) -> None:
+        if replica.state in (ReplicaState.DRAINED, ReplicaState.UNHEALTHY):
+            return
+        replica.last_error = reason
+        self._set_state(replica, ReplicaState.UNHEALTHY, reason)
+        self._forget_sessions(replica)
+
+    def start_health_checks(self) -> None:
+        self._health_task = asyncio.create_task(self._health_loop(), name="replica-health")
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            await asyncio.gather(
+                *(self.check(r) for r in self.replicas if r.state is not ReplicaState.DRAINED)
+            )
+
+    # -- routing -------------------------------------------------------------------------
+
+    def pick(self, session_id: str) -> Replica:
+        """The session's replica, or the least-loaded serving one for a new session."""
+        replica = self._sessions.get(session_id)
+        if replica is not None and replica.routable and replica.replica_id in self._replicas:
+            return replica
+        candidates = [r for r in self._replicas.values() if r.routable]
+        if not candidates:
+            raise NoReplicaAvailable(self._why_none())
+        replica = min(candidates, key=lambda r: (r.num_inflight, len(r.sessions), r.replica_id))
+        self._sessions[session_id] = replica
+        replica.sessions.add(session_id)
+        return replica
+
+    async def wait_routable(self, timeout_s: float | None = None) -> None:
+        """Wait until some replica serves (during a weight update, until resume)."""
+        async with asyncio.timeout(timeout_s):
+            await self._routable.wait()
+
+    def end_session(self, session_id: str) -> None:
+        replica = self._sessions.pop(session_id, None)
+        if replica is not None:
+            replica.sessions.discard(session_id)
+
+    @contextlib.asynccontextmanager
+    async def request(self, replica: Replica) -> AsyncIterator[Replica]:
+        """Count a request in flight on `replica` for load balancing and status."""
+        replica.num_inflight += 1
+        try:
+            yield replica
+        finally:
+            replica.num_inflight -= 1
+
+    # -- control (weight-sync boundaries 0 and 4, operators) ------------------------------
+
+    def select(self, replica_ids: Sequence[str]) -> list[Replica]:
+        return [self.get(rid) for rid in replica_ids] if replica_ids else self.replicas
+
+    async def pause(self, replicas: Iterable[Replica], mode: PauseMode) -> list[Replica]:
+        paused = []
+        for replica in replicas:
+            if replica.state not in (ReplicaState.SERVING, ReplicaState.PAUSED):
+                continue
+            await replica.client.pause(mode)
+            self._set_state(replica, ReplicaState.PAUSED, f"paused ({mode})")
+            paused.append(replica)
+        return paused
+
+    async def resume(self, replicas: Iterable[Replica], version: str | None) -> list[Replica]:
+        """Label the new weights, drop KV computed by the old ones, route again."""
+        resumed = []
+        for replica in replicas:
+            if replica.state not in (ReplicaState.PAUSED, ReplicaState.LOADING):
+                continue
+            if version is not None:
+                await replica.client.set_weight_version(version)
+                replica.weight_version = version
+            await replica.client.reset_prefix_cache()
+            await replica.client.resume()
+            self._set_state(replica, ReplicaState.SERVING, f"resumed at version {version}")
+            resumed.append(replica)
+        return resumed
+
+    def drain(self, replica: Replica, reason: str) -> int:
+        """Take `replica` out of routing for good (until re-added); returns its sessions."""
+        num_sessions = len(replica.sessions)
+        replica.last_error = reason
+        self._set_state(replica, ReplicaState.DRAINED, reason)
+        self._forget_sessions(replica)
+        return num_sessions
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        for replica in self.replicas:
+            await replica.client.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _set_state(self, replica: Replica, state: ReplicaState, reason: str) -> None:
+        if replica.state is not state:
+            logger.info(
+                "replica %s: %s -> %s (%s)",
+                replica.replica_id,
+                replica.state.value,
+                state.value,
+                reason,
+            )
+            replica.state = state
+            self._on_change(replica)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        if any(r.routable for r in self._replicas.values()):
+            self._routable.set()
+        else:
+            self._routable.clear()
+
+    def _forget_sessions(self, replica: Replica) -> None:
+        for session_id in replica.sessions:
+            self._sessions.pop(session_id, None)
+        replica.sessions.clear()
+
+    def _why_none(self) -> str:
+        if not self._replicas:
+            return "no engine replica is registered"
+        states = ", ".join(f"{r.replica_id}={r.state.value}" for r in self._replicas.values())
+        return f"no engine replica is serving ({states})"

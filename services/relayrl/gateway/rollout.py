@@ -1,0 +1,287 @@
+"""The rollout loop: claim prompt groups from the TransferQueue under the staleness throttle,
+roll out every missing sample on a sticky engine replica, write each trajectory back as soon
+as it is done (so the reward-service can score it while the rest of the group samples).
+
+Throttle (003 §5, 001 §13.3): with the trainer at step v and B groups per step, the gateway
+keeps launched < (v + 1 + η)·B, counted partition-wide by the TransferQueue itself so several
+gateways cannot overshoot together. η = 0 is synchronous: the next step's rollouts start only
+once the trainer has taken this step's.
+
+Failures are never a reward of 0: an engine that dies or times out mid-rollout, or a tool
+that crashes, yields a trajectory put as `failed` (is_infra) with the reason; the trainer keeps
+it out of the group baseline and the prompt feeder refills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from relayrl.engine.client import (
+    EngineError,
+    EngineUnavailable,
+    GenerateRequest,
+    Generation,
+    SamplingOptions,
+)
+from relayrl.gateway.agents import AgentContext, AgentLoop, Rollout
+from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
+from relayrl.gateway.tools import ToolFailure
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import ClaimedGroup, TrajectoryPut, TransferQueue
+from relayrl.tq.errors import StaleClaimError, TQError
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.2
+
+
+@dataclass
+class Throttle:
+    """launched < (policy_step + 1 + eta) * batch_size, in prompt groups."""
+
+    policy_step: int = 0
+    batch_size: int = 8
+    eta: float = 0.0
+
+    @property
+    def max_launched(self) -> int:
+        return int((self.policy_step + 1 + self.eta) * self.batch_size)
+
+
+class EngineTimeout(Exception):
+    """A generate call ran past the gateway's request timeout."""
+
+
+class StickySession:
+    """The EngineSession of one trajectory: every turn goes to the replica the pool picked for
+    the session, while that replica serves."""
+
+    def __init__(self, pool: ReplicaPool, session_id: str, request_timeout_s: float) -> None:
+        self._pool = pool
+        self._session_id = session_id
+        self._request_timeout_s = request_timeout_s
+        self._turn = 0
+        self.replica_id = ""
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingOptions
+    ) -> Generation:
+        await self._pool.wait_routable(self._request_timeout_s)
+        replica = self._pool.pick(self._session_id)
+        self.replica_id = replica.replica_id
+        request_id = f"{self._session_id}-t{self._turn}"
+        request = GenerateRequest(request_id, tuple(prompt_token_ids), sampling)
+        self._turn += 1
+        async with self._pool.request(replica):
+            try:
+                async with asyncio.timeout(self._request_timeout_s):
+                    return await replica.client.generate(request)
+            except TimeoutError:
+                raise EngineTimeout(
+                    f"replica {replica.replica_id} did not answer in {self._request_timeout_s} s"
+                ) from None
+            except EngineUnavailable as exc:
+                self._pool.mark_unhealthy(replica, str(exc))
+                raise
+
+
+def trajectory_of(
+    group: common_pb2.PromptGroup, index: int, rollout: Rollout, started_at: float
+) -> common_pb2.Trajectory:
+    """`started_at`: wall-clock time (time.time()) the rollout began."""
+    trajectory = common_pb2.Trajectory(
+        uid=group.uid,
+        index=index,
+        partition=group.partition,
+        prompt_token_ids=rollout.prompt_token_ids,
+        response_token_ids=rollout.response_token_ids,
+        rollout_logprobs=rollout.rollout_logprobs,
+        spans=rollout.spans,
+        finish_reason=rollout.finish_reason,
+        labels=dict(group.labels),
+        response_text=rollout.response_text,
+    )
+    trajectory.response_mask = bytes(rollout.response_mask)
+    timings = trajectory.timings
+    timings.started_at.FromNanoseconds(int(started_at * 1e9))
+    timings.finished_at.GetCurrentTime()
+    timings.generate_s = rollout.generate_s
+    timings.tool_s = rollout.tool_s
+    return trajectory
+
+
+def failed_trajectory(
+    group: common_pb2.PromptGroup, index: int, reason: str
+) -> common_pb2.Trajectory:
+    return common_pb2.Trajectory(
+        uid=group.uid,
+        index=index,
+        partition=group.partition,
+        prompt_token_ids=list(group.prompt_token_ids),
+        finish_reason="error",
+        error=reason[:2000],
+        labels=dict(group.labels),
+    )
+
+
+class RolloutWorker:
+    """One gateway's rollout loop on one partition."""
+
+    def __init__(
+        self,
+        tq: TransferQueue,
+        pool: ReplicaPool,
+        loops: Mapping[str, AgentLoop],
+        context_for: Callable[[common_pb2.PromptGroup, int], AgentContext],
+        *,
+        partition: str,
+        claimer: str,
+        throttle: Throttle,
+        lease_s: float,
+        max_inflight_groups: int,
+        request_timeout_s: float,
+        default_agent: str = "single_turn",
+    ) -> None:
+        self._tq = tq
+        self._pool = pool
+        self._loops = loops
+        self._context_for = context_for
+        self.partition = partition
+        self._claimer = claimer
+        self.throttle = throttle
+        self._lease_s = lease_s
+        self._max_inflight_groups = max_inflight_groups
+        self._request_timeout_s = request_timeout_s
+        self._default_agent = default_agent
+        self._groups: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.num_launched = 0
+        self.counts = {"finished": 0, "failed": 0}
+
+    @property
+    def num_inflight_groups(self) -> int:
+        return len(self._groups)
+
+    def update_policy_step(self, policy_step: int, batch_size: int | None = None) -> None:
+        self.throttle.policy_step = policy_step
+        if batch_size:
+            self.throttle.batch_size = batch_size
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._claim_loop(), name=f"rollout-{self.partition}")
+
+    async def _claim_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            free = self._max_inflight_groups - len(self._groups)
+            claimed: list[ClaimedGroup] = []
+            if free > 0:
+                try:
+                    result = await asyncio.to_thread(
+                        self._tq.claim_groups,
+                        self.partition,
+                        max_groups=free,
+                        claimer=self._claimer,
+                        lease_s=self._lease_s,
+                        max_launched=self.throttle.max_launched,
+                    )
+                    claimed, self.num_launched = result.claimed, result.num_launched
+                except TQError as exc:
+                    logger.warning("claiming from %s failed: %s", self.partition, exc)
+            for claim in claimed:
+                task = asyncio.create_task(self._run_group(claim))
+                self._groups[claim.group.uid] = task
+                task.add_done_callback(lambda _, uid=claim.group.uid: self._group_done(uid))
+            if not claimed:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(IDLE_POLL_S):
+                        await self._wake.wait()
+
+    def _group_done(self, uid: str) -> None:
+        self._groups.pop(uid, None)
+        self._wake.set()
+
+    async def _run_group(self, claim: ClaimedGroup) -> None:
+        renewer = asyncio.create_task(self._renew(claim))
+        try:
+            await asyncio.gather(*(self._run_sample(claim, i) for i in claim.missing_indices))
+        except StaleClaimError:
+            logger.warning(
+                "lost the claim on %s/%s; another gateway owns it now",
+                self.partition,
+                claim.group.uid,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception(
+                "rolling out %s/%s failed; releasing it", self.partition, claim.group.uid
+            )
+            with contextlib.suppress(TQError):
+                await asyncio.to_thread(
+                    self._tq.release_groups, self.partition, [claim], "gateway error"
+                )
+        finally:
+            renewer.cancel()
+            await asyncio.gather(renewer, return_exceptions=True)
+
+    async def _renew(self, claim: ClaimedGroup) -> None:
+        while True:
+            await asyncio.sleep(self._lease_s / 3)
+            with contextlib.suppress(TQError):
+                await asyncio.to_thread(
+                    self._tq.renew_leases, self.partition, [claim], self._lease_s
+                )
+
+    async def _run_sample(self, claim: ClaimedGroup, index: int) -> None:
+        group = claim.group
+        session_id = f"{group.uid}_{index}"
+        started = time.time()
+        try:
+            trajectory, failed = await self._rollout(group, index, session_id, started), False
+        except (EngineError, EngineTimeout, ToolFailure, NoReplicaAvailable) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            logger.warning("rollout %s failed (infrastructure): %s", session_id, reason)
+            trajectory, failed = failed_trajectory(group, index, reason), True
+        finally:
+            self._pool.end_session(session_id)
+        await asyncio.to_thread(
+            self._tq.put_trajectories,
+            self.partition,
+            [TrajectoryPut(trajectory, claim.claim_id, failed=failed)],
+        )
+        self.counts["failed" if failed else "finished"] += 1
+
+    async def _rollout(
+        self, group: common_pb2.PromptGroup, index: int, session_id: str, started: float
+    ) -> common_pb2.Trajectory:
+        loop = self._loops.get(group.agent or self._default_agent)
+        if loop is None:
+            raise ToolFailure(
+                f"group {group.uid} asks for agent loop {group.agent!r}, which this gateway "
+                f"does not have (known: {', '.join(sorted(self._loops))})"
+            )
+        session = StickySession(self._pool, session_id, self._request_timeout_s)
+        rollout = await loop.run(group, session, self._context_for(group, index))
+        trajectory = trajectory_of(group, index, rollout, started)
+        for span in trajectory.spans:
+            if span.generated and not span.replica:
+                span.replica = session.replica_id
+        return trajectory
+
+    async def close(self) -> None:
+        """Stop claiming; cancel running groups (their claims expire and return to pending,
+        keeping the trajectories already written)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._groups.values()):
+            task.cancel()
+        await asyncio.gather(*self._groups.values(), return_exceptions=True)

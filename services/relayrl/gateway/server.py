@@ -1,0 +1,152 @@
+"""`relayrl-gateway` main: the replica pool, one rollout loop per partition, the gRPC control
+plane; serve until SIGTERM (then stop claiming, cancel running groups: their claims expire and
+return to pending with the trajectories already written)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from relayrl.core.grpc_server import GrpcService, build_service, write_ready_file
+from relayrl.core.logs import setup_logging
+from relayrl.engine.client import SamplingOptions, VllmEngineClient
+from relayrl.gateway.agents import AgentContext, build_agent_loops
+from relayrl.gateway.config import GatewayConfig
+from relayrl.gateway.replicas import ReplicaPool
+from relayrl.gateway.rollout import RolloutWorker, Throttle
+from relayrl.gateway.servicer import RolloutGatewayServicer
+from relayrl.gateway.tools import ToolTable
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_FULL_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutGateway"].full_name
+
+
+def sampling_for(
+    group: common_pb2.PromptGroup, index: int, config: GatewayConfig
+) -> SamplingOptions:
+    """The group's SamplingParams for sample `index` (seed + index, so the n samples of a
+    group differ yet a retried sample repeats). temperature is taken as given (0 = greedy)."""
+    params = group.sampling
+    return SamplingOptions(
+        max_tokens=params.max_response_tokens or config.rollout.max_response_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p or 1.0,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        seed=params.seed + index if params.seed else None,
+    )
+
+
+class GatewayApp:
+    """The gateway's components, wired (no gRPC server in it)."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        if config.tokenizer is None:
+            raise ValueError("tokenizer: set the folder of the policy's tokenizer (the model)")
+        from transformers import AutoTokenizer
+
+        from relayrl.tq import TransferQueue
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.tools = ToolTable(config.agents.tools, timeout_s=config.agents.tool_timeout_s)
+        self.loops = build_agent_loops(config.agents.loops)
+        engines = config.engines
+        self.pool = ReplicaPool(
+            health_interval_s=engines.health_interval_s, unhealthy_after=engines.unhealthy_after
+        )
+        self.tq = TransferQueue.from_config(config.tq.model_copy(update={"partitions": []}))
+        claimer = config.rollout.claimer or f"{socket.gethostname()}-{os.getpid()}"
+        self.workers = [
+            RolloutWorker(
+                self.tq,
+                self.pool,
+                self.loops,
+                self.context_for,
+                partition=partition,
+                claimer=claimer,
+                throttle=Throttle(0, config.rollout.batch_size, config.rollout.eta),
+                lease_s=config.rollout.lease_s,
+                max_inflight_groups=config.rollout.max_inflight_groups,
+                request_timeout_s=engines.request_timeout_s,
+                default_agent=config.rollout.default_agent,
+            )
+            for partition in config.rollout.partitions
+        ]
+        self.servicer = RolloutGatewayServicer(self.pool, self.workers)
+
+    def context_for(self, group: common_pb2.PromptGroup, index: int) -> AgentContext:
+        rollout = self.config.rollout
+        return AgentContext(
+            tokenizer=self.tokenizer,
+            sampling=sampling_for(group, index, self.config),
+            max_turns=group.sampling.max_turns or rollout.max_turns,
+            max_response_tokens=group.sampling.max_response_tokens or rollout.max_response_tokens,
+            tools=self.tools,
+        )
+
+    async def start(self) -> None:
+        initial = str(self.config.engines.initial_weight_version)
+        for number, url in enumerate(self.config.engines.urls):
+            replica = await self.pool.add(f"engine-{number}", VllmEngineClient(url))
+            if replica.routable and not replica.weight_version.isdigit():
+                await replica.client.set_weight_version(initial)
+                replica.weight_version = initial
+        self.pool.start_health_checks()
+        for partition in self.config.rollout.partitions:
+            await asyncio.to_thread(self.tq.create_partition, partition)
+        for worker in self.workers:
+            worker.start()
+
+    async def close(self) -> None:
+        for worker in self.workers:
+            await worker.close()
+        await self.pool.close()
+        self.tq.close()
+
+
+async def run(config: GatewayConfig, ready_file: Path | None = None) -> None:
+    registry = CollectorRegistry()
+    app = GatewayApp(config)
+    await app.start()
+    service = build_service(
+        config,
+        service_name="gateway",
+        register=[
+            lambda server: rollout_pb2_grpc.add_RolloutGatewayServicer_to_server(
+                app.servicer, server
+            )
+        ],
+        service_names=[SERVICE_FULL_NAME],
+        registry=registry,
+        shutdown_hooks=[app.close],
+    )
+
+    def started(service: GrpcService) -> None:
+        logger.info(
+            "rollout-gateway ready: gRPC %s, %d engine replicas, partitions %s",
+            service.address,
+            len(app.pool.replicas),
+            ", ".join(config.rollout.partitions),
+        )
+        if ready_file is not None:
+            write_ready_file(ready_file, service)
+
+    await service.run_until_signal(on_started=started)
+
+
+def serve(config: GatewayConfig, ready_file: Path | None = None) -> int:
+    setup_logging(config.logging, "gateway")
+    try:
+        asyncio.run(run(config, ready_file))
+    except (OSError, ValueError) as exc:  # a port taken, a missing tokenizer: one line
+        logger.error("%s", exc)
+        return 1
+    return 0

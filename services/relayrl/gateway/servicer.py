@@ -1,0 +1,126 @@
+"""The RolloutGateway gRPC control plane: status, replicas, the trainer's step for the
+throttle, and the pause/resume/drain boundaries weight-sync drives."""
+
+from __future__ import annotations
+
+import grpc
+
+from relayrl.engine.client import EngineError
+from relayrl.gateway.replicas import Replica, ReplicaPool, ReplicaState
+from relayrl.gateway.rollout import RolloutWorker
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+_STATES = {
+    ReplicaState.SERVING: rollout_pb2.REPLICA_STATE_SERVING,
+    ReplicaState.PAUSED: rollout_pb2.REPLICA_STATE_PAUSED,
+    ReplicaState.LOADING: rollout_pb2.REPLICA_STATE_LOADING,
+    ReplicaState.DRAINED: rollout_pb2.REPLICA_STATE_DRAINED,
+    ReplicaState.UNHEALTHY: rollout_pb2.REPLICA_STATE_UNHEALTHY,
+}
+_PAUSE_MODES = {
+    rollout_pb2.PAUSE_MODE_ABORT: "abort",
+    rollout_pb2.PAUSE_MODE_KEEP: "keep",
+    rollout_pb2.PAUSE_MODE_WAIT: "wait",
+}
+
+
+def replica_to_proto(replica: Replica) -> rollout_pb2.Replica:
+    version = int(replica.weight_version) if replica.weight_version.isdigit() else 0
+    return rollout_pb2.Replica(
+        replica_id=replica.replica_id,
+        url=getattr(replica.client, "base_url", ""),
+        state=_STATES[replica.state],
+        weight_version=common_pb2.WeightVersion(version=version),
+        num_inflight=replica.num_inflight,
+        source=replica.source,
+        last_error=replica.last_error,
+    )
+
+
+class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
+    def __init__(self, pool: ReplicaPool, workers: list[RolloutWorker]) -> None:
+        self._pool = pool
+        self._workers = workers
+
+    async def GetStatus(
+        self, request: rollout_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GetStatusResponse:
+        throttle = self._workers[0].throttle if self._workers else None
+        return rollout_pb2.GetStatusResponse(
+            policy_step=throttle.policy_step if throttle else 0,
+            batch_size=throttle.batch_size if throttle else 0,
+            eta=throttle.eta if throttle else 0.0,
+            num_launched=sum(w.num_launched for w in self._workers),
+            num_inflight=sum(w.num_inflight_groups for w in self._workers),
+            replicas=[replica_to_proto(r) for r in self._pool.replicas],
+        )
+
+    async def ListReplicas(
+        self, request: rollout_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ListReplicasResponse:
+        return rollout_pb2.ListReplicasResponse(
+            replicas=[replica_to_proto(r) for r in self._pool.replicas]
+        )
+
+    async def UpdatePolicyStep(
+        self, request: rollout_pb2.UpdatePolicyStepRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.UpdatePolicyStepResponse:
+        if request.policy_step < 0 or request.batch_size < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"policy_step and batch_size must be >= 0, got {request.policy_step}, "
+                f"{request.batch_size}",
+            )
+        for worker in self._workers:
+            worker.update_policy_step(request.policy_step, request.batch_size or None)
+        launched = sum(w.num_launched for w in self._workers)
+        cap = self._workers[0].throttle.max_launched if self._workers else 0
+        return rollout_pb2.UpdatePolicyStepResponse(
+            num_launched=launched, num_launchable=max(0, cap - launched)
+        )
+
+    async def PauseReplicas(
+        self, request: rollout_pb2.PauseReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.PauseReplicasResponse:
+        mode = _PAUSE_MODES.get(request.mode)
+        if mode is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "mode: set PAUSE_MODE_ABORT, PAUSE_MODE_KEEP or PAUSE_MODE_WAIT",
+            )
+        replicas = await self._select(request.replica_ids, context)
+        try:
+            paused = await self._pool.pause(replicas, mode)  # type: ignore[arg-type]
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"pausing failed: {exc}")
+        return rollout_pb2.PauseReplicasResponse(paused_replica_ids=[r.replica_id for r in paused])
+
+    async def ResumeReplicas(
+        self, request: rollout_pb2.ResumeReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ResumeReplicasResponse:
+        replicas = await self._select(request.replica_ids, context)
+        version = str(request.version.version) if request.HasField("version") else None
+        try:
+            resumed = await self._pool.resume(replicas, version)
+        except EngineError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"resuming failed: {exc}")
+        return rollout_pb2.ResumeReplicasResponse(
+            resumed_replica_ids=[r.replica_id for r in resumed]
+        )
+
+    async def DrainReplica(
+        self, request: rollout_pb2.DrainReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.DrainReplicaResponse:
+        (replica,) = await self._select([request.replica_id], context)
+        moved = self._pool.drain(replica, request.reason or "drained by request")
+        return rollout_pb2.DrainReplicaResponse(num_requeued=moved)
+
+    async def _select(
+        self, replica_ids: list[str], context: grpc.aio.ServicerContext
+    ) -> list[Replica]:
+        try:
+            return self._pool.select(list(replica_ids))
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            raise  # not reached: abort raises

@@ -1,0 +1,159 @@
+"""relayrl-gateway as a real process between a real redis-server and a real vLLM engine:
+groups are claimed under the staleness throttle and come back as trajectories with token ids,
+masks, log-probs and version spans; an engine killed mid-rollout yields is_infra trajectories,
+not a hang and not a reward."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from relayrl.core.grpc_client import make_channel
+from relayrl.core.service_process import ServiceProcess
+from relayrl.engine.config import EngineConfig
+from relayrl.engine.process import EngineProcess
+from relayrl.models.tiny import TinyModelConfig, init_model
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from relayrl.tq import TransferQueue
+from relayrl.tq.server import RedisServer
+
+P = "train"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("model") / "tiny"
+    init_model(directory, TinyModelConfig())
+    return directory
+
+
+def start_engine(model_dir: Path, workdir: Path) -> EngineProcess:
+    config = EngineConfig(model=model_dir, max_model_len=1024, cache_dir=workdir / "cache")
+    return EngineProcess(config, workdir).start()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    process = start_engine(model_dir, tmp_path_factory.mktemp("engine"))
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def gateway_config(redis: RedisServer, model_dir: Path, engine_url: str, **rollout: object) -> dict:
+    return {
+        "tq": {"url": redis.url, "partitions": [P]},
+        "tokenizer": str(model_dir),
+        "engines": {"urls": [engine_url], "health_interval_s": 0.5, "request_timeout_s": 60},
+        "rollout": {"partitions": [P], "batch_size": 2, "eta": 0, **rollout},
+    }
+
+
+def group(uid: str, max_tokens: int = 12, step: int = 0) -> common_pb2.PromptGroup:
+    return common_pb2.PromptGroup(
+        uid=uid,
+        num_samples=2,
+        prompt_step=step,
+        prompt_token_ids=[1, 77, 88, 99, 2, 1],
+        data_source="arith",
+        ground_truth="4",
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_response_tokens=max_tokens, seed=7),
+    )
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def rpc(gateway: ServiceProcess, call: Callable):  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]
+        async with make_channel(gateway.target, default_timeout_s=30) as channel:
+            return await call(rollout_pb2_grpc.RolloutGatewayStub(channel))
+
+    return asyncio.run(main())
+
+
+def test_rollouts_follow_the_throttle_and_write_complete_trajectories(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    tq.put_groups(P, [group(f"g{k}") for k in range(4)])
+    config = gateway_config(redis_server, model_dir, engine.url)
+    with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
+        # eta 0, B 2, trainer at step 0: launched < (0 + 1 + 0) * 2 -> two groups, no more.
+        wait_until(lambda: tq.counts(P).groups.get("finished", 0) == 2, 60, "two groups")
+        time.sleep(1.0)
+        counts = tq.counts(P)
+        assert counts.num_launched == 2 and counts.groups.get("pending") == 2
+        status = rpc(gateway, lambda stub: stub.GetStatus(rollout_pb2.GetStatusRequest()))
+        assert status.num_launched == 2 and status.replicas[0].replica_id == "engine-0"
+        assert status.replicas[0].state == rollout_pb2.REPLICA_STATE_SERVING
+        rpc(
+            gateway,
+            lambda stub: stub.UpdatePolicyStep(
+                rollout_pb2.UpdatePolicyStepRequest(policy_step=1, batch_size=2)
+            ),
+        )
+        wait_until(lambda: tq.counts(P).groups.get("finished", 0) == 4, 60, "all four groups")
+        assert gateway.alive()
+    for entry in tq.get_groups(P, [f"g{k}" for k in range(4)]):
+        assert len(entry.trajectories) == 2
+        for trajectory in entry.trajectories:
+            n = len(trajectory.response_token_ids)
+            assert 1 <= n <= 12
+            assert trajectory.response_mask == b"\x01" * n
+            assert len(trajectory.rollout_logprobs) == n
+            assert all(lp <= 0.0 for lp in trajectory.rollout_logprobs)
+            assert list(trajectory.prompt_token_ids) == [1, 77, 88, 99, 2, 1]
+            (span,) = trajectory.spans
+            assert (span.start, span.end, span.policy_version) == (0, n, 0)
+            assert span.generated and span.replica == "engine-0"
+            assert trajectory.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
+            assert not trajectory.tags.is_infra
+    tq.close()
+
+
+def test_an_engine_killed_mid_rollout_yields_infra_trajectories_not_a_hang(
+    redis_server: RedisServer, model_dir: Path, tmp_path: Path
+) -> None:
+    doomed = start_engine(model_dir, tmp_path / "doomed")
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    tq.put_groups(P, [group(f"k{k}", max_tokens=400) for k in range(2)])
+    config = gateway_config(redis_server, model_dir, doomed.url, batch_size=2)
+    try:
+        with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
+            wait_until(lambda: tq.counts(P).num_launched == 2, 60, "two launched groups")
+            doomed.kill()  # SIGKILL to the engine and its helpers, mid-rollout
+            wait_until(
+                lambda: (
+                    tq.counts(P).groups.get("finished", 0) + tq.counts(P).groups.get("scored", 0)
+                    == 2
+                ),
+                60,
+                "both groups settled",
+            )
+            status = rpc(gateway, lambda stub: stub.ListReplicas(rollout_pb2.ListReplicasRequest()))
+            assert status.replicas[0].state == rollout_pb2.REPLICA_STATE_UNHEALTHY
+            assert gateway.alive()
+    finally:
+        doomed.kill()
+    trajectories = [t for g in tq.get_groups(P, ["k0", "k1"]) for t in g.trajectories]
+    failed = [t for t in trajectories if t.tags.status == common_pb2.TRAJECTORY_STATUS_FAILED]
+    assert failed, "a killed engine must leave failed trajectories"
+    for trajectory in failed:
+        assert trajectory.tags.is_infra
+        assert "Engine" in trajectory.error or "replica" in trajectory.error
+        assert not trajectory.HasField("reward")  # never a reward, let alone 0
+    tq.close()
