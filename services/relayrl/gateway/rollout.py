@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ from relayrl.engine.client import (
     GenerateRequest,
     Generation,
     SamplingOptions,
+    VersionSpan,
 )
 from relayrl.gateway.agents import AgentContext, AgentLoop, Rollout
 from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
@@ -59,24 +61,63 @@ class EngineTimeout(Exception):
 
 class StickySession:
     """The EngineSession of one trajectory: every turn goes to the replica the pool picked for
-    the session, while that replica serves."""
+    the session, while that replica serves.
+
+    Partial rollout across a weight update: when a pause in `abort` mode cuts a generation
+    short (finish_reason "abort"), the session waits for the replicas to resume and sends the
+    prompt plus the tokens kept so far, asking only for the rest of the budget; the caller
+    gets one Generation whose version spans show which weights sampled which tokens. In `keep`
+    mode the engine itself continues the frozen request under the new version."""
 
     def __init__(self, pool: ReplicaPool, session_id: str, request_timeout_s: float) -> None:
         self._pool = pool
         self._session_id = session_id
         self._request_timeout_s = request_timeout_s
-        self._turn = 0
+        self._num_requests = 0
         self.replica_id = ""
 
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling: SamplingOptions
     ) -> Generation:
+        prompt = tuple(prompt_token_ids)
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        spans: list[VersionSpan] = []
+        while True:
+            remaining = sampling.max_tokens - len(token_ids)
+            part = await self._generate_once(
+                prompt + tuple(token_ids), dataclasses.replace(sampling, max_tokens=remaining)
+            )
+            offset = len(token_ids)
+            spans += [
+                VersionSpan(s.version, s.start + offset, s.end + offset) for s in part.version_spans
+            ]
+            token_ids += part.token_ids
+            logprobs += part.logprobs
+            finish_reason = part.finish_reason
+            if finish_reason != "abort":
+                break
+            if len(token_ids) >= sampling.max_tokens:
+                finish_reason = "length"
+                break
+            logger.debug(
+                "%s: aborted by a pause after %d tokens; resubmitting",
+                self._session_id,
+                len(token_ids),
+            )
+        return Generation(
+            part.request_id, tuple(token_ids), tuple(logprobs), finish_reason, tuple(_merge(spans))
+        )
+
+    async def _generate_once(
+        self, prompt_token_ids: tuple[int, ...], sampling: SamplingOptions
+    ) -> Generation:
         await self._pool.wait_routable(self._request_timeout_s)
         replica = self._pool.pick(self._session_id)
         self.replica_id = replica.replica_id
-        request_id = f"{self._session_id}-t{self._turn}"
-        request = GenerateRequest(request_id, tuple(prompt_token_ids), sampling)
-        self._turn += 1
+        request_id = f"{self._session_id}-r{self._num_requests}"
+        self._num_requests += 1
+        request = GenerateRequest(request_id, prompt_token_ids, sampling)
         async with self._pool.request(replica):
             try:
                 async with asyncio.timeout(self._request_timeout_s):
@@ -88,6 +129,19 @@ class StickySession:
             except EngineUnavailable as exc:
                 self._pool.mark_unhealthy(replica, str(exc))
                 raise
+
+
+def _merge(spans: list[VersionSpan]) -> list[VersionSpan]:
+    """Adjacent spans of the same version as one (a resubmission under unchanged weights)."""
+    merged: list[VersionSpan] = []
+    for span in spans:
+        if span.start == span.end:
+            continue
+        if merged and merged[-1].version == span.version and merged[-1].end == span.start:
+            merged[-1] = VersionSpan(span.version, merged[-1].start, span.end)
+        else:
+            merged.append(span)
+    return merged
 
 
 def trajectory_of(
