@@ -14,10 +14,14 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry
+
 from relayrl.engine.client import EngineClient, EngineError, PauseMode
+from relayrl.gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,9 @@ class ReplicaPool:
         health_interval_s: float = 5.0,
         unhealthy_after: int = 2,
         on_change: Callable[[Replica], None] | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
+        self.metrics = metrics or GatewayMetrics(CollectorRegistry())
         self._replicas: dict[str, Replica] = {}
         self._sessions: dict[str, Replica] = {}
         self._health_interval_s = health_interval_s
@@ -66,6 +72,7 @@ class ReplicaPool:
         self._on_change = on_change or (lambda replica: None)
         self._routable = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        self._paused_at: dict[str, float] = {}
 
     # -- membership ----------------------------------------------------------------------
 
@@ -145,6 +152,7 @@ class ReplicaPool:
         replica = min(candidates, key=lambda r: (r.num_inflight, len(r.sessions), r.replica_id))
         self._sessions[session_id] = replica
         replica.sessions.add(session_id)
+        self.metrics.sessions.set(len(self._sessions))
         return replica
 
     async def wait_routable(self, timeout_s: float | None = None) -> None:
@@ -156,15 +164,19 @@ class ReplicaPool:
         replica = self._sessions.pop(session_id, None)
         if replica is not None:
             replica.sessions.discard(session_id)
+        self.metrics.sessions.set(len(self._sessions))
 
     @contextlib.asynccontextmanager
     async def request(self, replica: Replica) -> AsyncIterator[Replica]:
         """Count a request in flight on `replica` for load balancing and status."""
+        gauge = self.metrics.engine_inflight.labels(replica=replica.replica_id)
         replica.num_inflight += 1
+        gauge.inc()
         try:
             yield replica
         finally:
             replica.num_inflight -= 1
+            gauge.dec()
 
     # -- control (weight-sync boundaries 0 and 4, operators) ------------------------------
 
@@ -177,6 +189,7 @@ class ReplicaPool:
             if replica.state not in (ReplicaState.SERVING, ReplicaState.PAUSED):
                 continue
             await replica.client.pause(mode)
+            self._paused_at.setdefault(replica.replica_id, time.monotonic())
             self._set_state(replica, ReplicaState.PAUSED, f"paused ({mode})")
             paused.append(replica)
         return paused
@@ -191,7 +204,11 @@ class ReplicaPool:
                 await replica.client.set_weight_version(version)
                 replica.weight_version = version
             await replica.client.reset_prefix_cache()
+            self.metrics.prefix_cache_resets.labels(replica=replica.replica_id).inc()
             await replica.client.resume()
+            paused_at = self._paused_at.pop(replica.replica_id, None)
+            if paused_at is not None:
+                self.metrics.pause_duration.observe(time.monotonic() - paused_at)
             self._set_state(replica, ReplicaState.SERVING, f"resumed at version {version}")
             resumed.append(replica)
         return resumed
@@ -224,6 +241,8 @@ class ReplicaPool:
             )
             replica.state = state
             self._on_change(replica)
+        up = self.metrics.replica_up.labels(replica=replica.replica_id)
+        up.set(1 if replica.routable else 0)
         self._refresh()
 
     def _refresh(self) -> None:

@@ -118,17 +118,28 @@ class StickySession:
         request_id = f"{self._session_id}-r{self._num_requests}"
         self._num_requests += 1
         request = GenerateRequest(request_id, prompt_token_ids, sampling)
+        metrics, name = self._pool.metrics, replica.replica_id
+        started = time.monotonic()
+        outcome = "error"
         async with self._pool.request(replica):
             try:
                 async with asyncio.timeout(self._request_timeout_s):
-                    return await replica.client.generate(request)
+                    generation = await replica.client.generate(request)
+                outcome = "aborted" if generation.finish_reason == "abort" else "ok"
+                metrics.engine_tokens.labels(replica=name).inc(len(generation.token_ids))
+                return generation
             except TimeoutError:
                 raise EngineTimeout(
-                    f"replica {replica.replica_id} did not answer in {self._request_timeout_s} s"
+                    f"replica {name} did not answer in {self._request_timeout_s} s"
                 ) from None
             except EngineUnavailable as exc:
                 self._pool.mark_unhealthy(replica, str(exc))
                 raise
+            finally:
+                metrics.engine_requests.labels(replica=name, outcome=outcome).inc()
+                metrics.engine_request_duration.labels(replica=name).observe(
+                    time.monotonic() - started
+                )
 
 
 def _merge(spans: list[VersionSpan]) -> list[VersionSpan]:
@@ -249,6 +260,7 @@ class RolloutWorker:
                     claimed, self.num_launched = result.claimed, result.num_launched
                 except TQError as exc:
                     logger.warning("claiming from %s failed: %s", self.partition, exc)
+            self._record_claims(claimed)
             for claim in claimed:
                 task = asyncio.create_task(self._run_group(claim))
                 self._groups[claim.group.uid] = task
@@ -258,8 +270,18 @@ class RolloutWorker:
                     async with asyncio.timeout(IDLE_POLL_S):
                         await self._wake.wait()
 
+    def _record_claims(self, claimed: list[ClaimedGroup]) -> None:
+        metrics, partition = self._pool.metrics, self.partition
+        metrics.groups_launched.labels(partition=partition).set(self.num_launched)
+        metrics.max_launched.labels(partition=partition).set(self.throttle.max_launched)
+        metrics.groups_inflight.labels(partition=partition).set(len(self._groups) + len(claimed))
+        for claim in claimed:
+            staleness = max(0, self.throttle.policy_step - claim.group.prompt_step)
+            metrics.launch_staleness.labels(partition=partition).observe(staleness)
+
     def _group_done(self, uid: str) -> None:
         self._groups.pop(uid, None)
+        self._pool.metrics.groups_inflight.labels(partition=self.partition).set(len(self._groups))
         self._wake.set()
 
     async def _run_group(self, claim: ClaimedGroup) -> None:
@@ -311,7 +333,9 @@ class RolloutWorker:
             self.partition,
             [TrajectoryPut(trajectory, claim.claim_id, failed=failed)],
         )
-        self.counts["failed" if failed else "finished"] += 1
+        outcome = "failed" if failed else "finished"
+        self.counts[outcome] += 1
+        self._pool.metrics.rollouts.labels(partition=self.partition, outcome=outcome).inc()
 
     async def _rollout(
         self, group: common_pb2.PromptGroup, index: int, session_id: str, started: float
