@@ -305,10 +305,18 @@ def server_credentials(tls: TlsServerConfig) -> grpc.ServerCredentials:
     )
 
 
-def write_ready_file(path: Path, service: GrpcService) -> None:
-    """Write `{"pid", "grpc_port", "metrics_port"}` to `path` atomically (a reader never sees
-    a half-written file): the handshake between a started service and whoever started it."""
-    data = {"pid": os.getpid(), "grpc_port": service.port, "metrics_port": service.metrics_port}
+def write_ready_file(
+    path: Path, service: GrpcService, extra: Mapping[str, object] | None = None
+) -> None:
+    """Write `{"pid", "grpc_port", "metrics_port"}` (plus `extra`, e.g. a service's other
+    ports) to `path` atomically (a reader never sees a half-written file): the handshake
+    between a started service and whoever started it."""
+    data = {
+        **(extra or {}),
+        "pid": os.getpid(),
+        "grpc_port": service.port,
+        "metrics_port": service.metrics_port,
+    }
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(data), encoding="utf-8")
     partial.replace(path)

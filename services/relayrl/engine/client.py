@@ -12,7 +12,7 @@ import abc
 import asyncio
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -35,6 +35,9 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     # Generate max_tokens whatever the model says (benchmarks, tests of long rollouts).
     ignore_eos: bool = False
+    # An engine-side constraint on the sampled text, in vLLM's `structured_outputs` form
+    # ({"regex": ...}, {"json": schema}, {"choice": [...]}, ...); agents steer tool calls with it.
+    structured_outputs: Mapping[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -216,6 +219,8 @@ class VllmEngineClient(EngineClient):
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.ignore_eos:
             params["ignore_eos"] = True
+        if sampling.structured_outputs:
+            params["structured_outputs"] = dict(sampling.structured_outputs)
         body = {
             "request_id": request.request_id,
             "token_ids": list(request.prompt_token_ids),

@@ -4,11 +4,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from relayrl.core.config import ServiceConfig, StrictModel
 from relayrl.tq.codec import check_partition_name
 from relayrl.tq.config import TQConfig
+
+
+class KubernetesDiscoveryConfig(StrictModel):
+    """Find engine replicas as the ready endpoints of a Service (`engines.kubernetes:`)."""
+
+    service: str = Field(min_length=1, description="Name of the engines' Service.")
+    namespace: str = Field(
+        "default", min_length=1, description="Its namespace (the release's, usually)."
+    )
+    port_name: str | None = Field(
+        "http",
+        description="Named port of the engines' HTTP server in the EndpointSlice; null: the "
+        "slice's first port.",
+    )
+    scheme: str = Field("http", pattern="^https?$", description="URL scheme of the engines.")
+    watch_timeout_s: int = Field(
+        300, ge=10, le=3600, description="Server-side timeout of one watch; then it is renewed."
+    )
+    api_host: str | None = Field(
+        None,
+        description="API server URL; null: the in-cluster service account (or ~/.kube/config).",
+    )
 
 
 class EnginesConfig(StrictModel):
@@ -29,6 +51,12 @@ class EnginesConfig(StrictModel):
         gt=0.0,
         le=86_400.0,
         description="Longest one generate call may take before its rollout fails as infra.",
+    )
+    kubernetes: KubernetesDiscoveryConfig | None = Field(
+        None,
+        description="Also discover replicas as the ready endpoints of a Service's "
+        "EndpointSlices (added and dropped at run time); needs RBAC to list and watch "
+        "endpointslices.discovery.k8s.io in that namespace.",
     )
     initial_weight_version: int = Field(
         0,
@@ -105,6 +133,64 @@ class AgentsConfig(StrictModel):
     )
 
 
+class AgentHttpConfig(StrictModel):
+    """The OpenAI-compatible HTTP endpoint for black-box agents: one session per trajectory,
+    `/sessions/<id>/v1/chat/completions`, with the token accounting done by the gateway."""
+
+    enabled: bool = Field(True, description="Serve the endpoint.")
+    host: str = Field("127.0.0.1", min_length=1, description="Interface to bind; 0.0.0.0 in a pod.")
+    port: int = Field(
+        0, ge=0, le=65535, description="TCP port; 0 picks a free one (in the ready file)."
+    )
+    model_name: str = Field(
+        "policy", min_length=1, description="The `model` agents must name (others get 404)."
+    )
+    partition: str = Field(
+        "agent",
+        description="Partition of the ad-hoc group a session creates when it names no claimed "
+        "group (a partition of its own keeps those groups out of the rollout loop's way).",
+    )
+    session_idle_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=86_400.0,
+        description="A session without a request for this long is aborted (failed, is_infra).",
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, le=1_000_000, description="Tokens per request when the agent names none."
+    )
+    max_tokens: int = Field(
+        4096, ge=1, le=1_000_000, description="Most tokens one request may ask for (400 beyond)."
+    )
+    max_response_tokens: int = Field(
+        8192,
+        ge=1,
+        le=10_000_000,
+        description="Budget of a session's response (generated and observation tokens, all "
+        "turns); a request's max_tokens is cut to what is left.",
+    )
+    max_sessions: int = Field(
+        10_000, ge=1, le=10_000_000, description="Open sessions at once (429 beyond)."
+    )
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest request body (413 beyond)."
+    )
+
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, name: str) -> str:
+        return check_partition_name(name)
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> AgentHttpConfig:
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) is over max_tokens "
+                f"({self.max_tokens}); lower it or raise max_tokens"
+            )
+        return self
+
+
 class GatewayConfig(ServiceConfig):
     """rollout-gateway: claims prompt groups from the TransferQueue, rolls them out on engine
     replicas, and writes trajectories back."""
@@ -118,3 +204,20 @@ class GatewayConfig(ServiceConfig):
     engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine replicas.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollouts.")
     agents: AgentsConfig = Field(default_factory=AgentsConfig, description="Agent loops, tools.")
+    agent_http: AgentHttpConfig = Field(
+        default_factory=AgentHttpConfig, description="OpenAI-compatible endpoint for agents."
+    )
+
+    @model_validator(mode="after")
+    def _agent_http_port_free(self) -> GatewayConfig:
+        http = self.agent_http
+        taken = {"grpc": (self.grpc.host, self.grpc.port)}
+        if self.metrics.enabled:
+            taken["metrics"] = (self.metrics.host, self.metrics.port)
+        for name, address in taken.items():
+            if http.enabled and http.port != 0 and (http.host, http.port) == address:
+                raise ValueError(
+                    f"agent_http.port and {name}.port are both {http.port} on {http.host}; "
+                    "give them different ports"
+                )
+        return self

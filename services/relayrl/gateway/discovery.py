@@ -16,38 +16,14 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pydantic import Field
-
-from relayrl.core.config import StrictModel
 from relayrl.engine.client import EngineClient, VllmEngineClient
+from relayrl.gateway.config import KubernetesDiscoveryConfig
 from relayrl.gateway.replicas import ReplicaPool
 
 logger = logging.getLogger(__name__)
 
 SERVICE_LABEL = "kubernetes.io/service-name"
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
-
-
-class KubernetesDiscoveryConfig(StrictModel):
-    """Find engine replicas as the ready endpoints of a Service (`engines.kubernetes:`)."""
-
-    service: str = Field(min_length=1, description="Name of the engines' Service.")
-    namespace: str = Field(
-        "default", min_length=1, description="Its namespace (the release's, usually)."
-    )
-    port_name: str | None = Field(
-        "http",
-        description="Named port of the engines' HTTP server in the EndpointSlice; null: the "
-        "slice's first port.",
-    )
-    scheme: str = Field("http", pattern="^https?$", description="URL scheme of the engines.")
-    watch_timeout_s: int = Field(
-        300, ge=10, le=3600, description="Server-side timeout of one watch; then it is renewed."
-    )
-    api_host: str | None = Field(
-        None,
-        description="API server URL; null: the in-cluster service account (or ~/.kube/config).",
-    )
 
 
 def endpoint_urls(slices: Iterable[Any], port_name: str | None, scheme: str) -> dict[str, str]:

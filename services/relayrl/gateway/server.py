@@ -1,6 +1,7 @@
-"""`relayrl-gateway` main: the replica pool, one rollout loop per partition, the gRPC control
-plane; serve until SIGTERM (then stop claiming, cancel running groups: their claims expire and
-return to pending with the trajectories already written)."""
+"""`relayrl-gateway` main: the replica pool, one rollout loop per partition, the agent HTTP
+endpoint for black-box agents, the gRPC control plane; serve until SIGTERM (then abort open
+agent sessions, stop claiming, cancel running groups: their claims expire and return to pending
+with the trajectories already written)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from prometheus_client import CollectorRegistry
 from relayrl.core.grpc_server import GrpcService, build_service, write_ready_file
 from relayrl.core.logs import setup_logging
 from relayrl.engine.client import SamplingOptions, VllmEngineClient
+from relayrl.gateway.agent_http import AgentHttpServer
 from relayrl.gateway.agents import AgentContext, build_agent_loops
 from relayrl.gateway.config import GatewayConfig
+from relayrl.gateway.discovery import EndpointSliceDiscovery
+from relayrl.gateway.metrics import GatewayMetrics
 from relayrl.gateway.replicas import ReplicaPool
 from relayrl.gateway.rollout import RolloutWorker, Throttle
 from relayrl.gateway.servicer import RolloutGatewayServicer
+from relayrl.gateway.sessions import AgentSessions
 from relayrl.gateway.tools import ToolTable
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -47,7 +52,7 @@ def sampling_for(
 class GatewayApp:
     """The gateway's components, wired (no gRPC server in it)."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, registry: CollectorRegistry | None = None) -> None:
         if config.tokenizer is None:
             raise ValueError("tokenizer: set the folder of the policy's tokenizer (the model)")
         from transformers import AutoTokenizer
@@ -59,8 +64,14 @@ class GatewayApp:
         self.tools = ToolTable(config.agents.tools, timeout_s=config.agents.tool_timeout_s)
         self.loops = build_agent_loops(config.agents.loops)
         engines = config.engines
+        self.metrics = GatewayMetrics(registry or CollectorRegistry())
         self.pool = ReplicaPool(
-            health_interval_s=engines.health_interval_s, unhealthy_after=engines.unhealthy_after
+            health_interval_s=engines.health_interval_s,
+            unhealthy_after=engines.unhealthy_after,
+            metrics=self.metrics,
+        )
+        self.discovery = (
+            EndpointSliceDiscovery(self.pool, engines.kubernetes) if engines.kubernetes else None
         )
         self.tq = TransferQueue.from_config(config.tq.model_copy(update={"partitions": []}))
         claimer = config.rollout.claimer or f"{socket.gethostname()}-{os.getpid()}"
@@ -80,7 +91,30 @@ class GatewayApp:
             )
             for partition in config.rollout.partitions
         ]
-        self.servicer = RolloutGatewayServicer(self.pool, self.workers)
+        self.sessions: AgentSessions | None = None
+        self.agent_http: AgentHttpServer | None = None
+        if config.agent_http.enabled:
+            self.sessions = AgentSessions(
+                tq=self.tq,
+                pool=self.pool,
+                tokenizer=self.tokenizer,
+                config=config.agent_http,
+                claimer=claimer,
+                lease_s=config.rollout.lease_s,
+                request_timeout_s=engines.request_timeout_s,
+                policy_step=self.policy_step,
+            )
+            self.agent_http = AgentHttpServer(self.sessions, config.agent_http)
+        self.servicer = RolloutGatewayServicer(
+            self.pool, self.workers, self.sessions, agent_http_port=self.agent_http_port
+        )
+
+    def policy_step(self) -> int:
+        """The trainer's step as last reported (UpdatePolicyStep), for ad-hoc agent groups."""
+        return self.workers[0].throttle.policy_step if self.workers else 0
+
+    def agent_http_port(self) -> int:
+        return self.agent_http.port if self.agent_http is not None else 0
 
     def context_for(self, group: common_pb2.PromptGroup, index: int) -> AgentContext:
         rollout = self.config.rollout
@@ -100,21 +134,33 @@ class GatewayApp:
                 await replica.client.set_weight_version(initial)
                 replica.weight_version = initial
         self.pool.start_health_checks()
+        if self.discovery is not None:
+            self.discovery.start()
         for partition in self.config.rollout.partitions:
             await asyncio.to_thread(self.tq.create_partition, partition)
         for worker in self.workers:
             worker.start()
+        if self.sessions is not None and self.agent_http is not None:
+            await self.sessions.start()
+            await self.agent_http.start()
 
     async def close(self) -> None:
+        # Open agent sessions first (their in-flight requests end at once), then the endpoint.
+        if self.sessions is not None:
+            await self.sessions.close()
+        if self.agent_http is not None:
+            await self.agent_http.stop()
         for worker in self.workers:
             await worker.close()
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.pool.close()
         self.tq.close()
 
 
 async def run(config: GatewayConfig, ready_file: Path | None = None) -> None:
     registry = CollectorRegistry()
-    app = GatewayApp(config)
+    app = GatewayApp(config, registry)
     await app.start()
     service = build_service(
         config,
@@ -131,13 +177,14 @@ async def run(config: GatewayConfig, ready_file: Path | None = None) -> None:
 
     def started(service: GrpcService) -> None:
         logger.info(
-            "rollout-gateway ready: gRPC %s, %d engine replicas, partitions %s",
+            "rollout-gateway ready: gRPC %s, agent HTTP port %d, %d engine replicas, partitions %s",
             service.address,
+            app.agent_http_port(),
             len(app.pool.replicas),
             ", ".join(config.rollout.partitions),
         )
         if ready_file is not None:
-            write_ready_file(ready_file, service)
+            write_ready_file(ready_file, service, {"agent_http_port": app.agent_http_port()})
 
     await service.run_until_signal(on_started=started)
 

@@ -1,13 +1,17 @@
 """The RolloutGateway gRPC control plane: status, replicas, the trainer's step for the
-throttle, and the pause/resume/drain boundaries weight-sync drives."""
+throttle, the pause/resume/drain boundaries weight-sync drives, and the lifecycle of black-box
+agent sessions (whose requests the agent HTTP endpoint serves)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import grpc
 
 from relayrl.engine.client import EngineError
 from relayrl.gateway.replicas import Replica, ReplicaPool, ReplicaState
 from relayrl.gateway.rollout import RolloutWorker
+from relayrl.gateway.sessions import AgentError, AgentSessions, ErrorKind, SessionEnd, SessionSpec
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -17,6 +21,20 @@ _STATES = {
     ReplicaState.LOADING: rollout_pb2.REPLICA_STATE_LOADING,
     ReplicaState.DRAINED: rollout_pb2.REPLICA_STATE_DRAINED,
     ReplicaState.UNHEALTHY: rollout_pb2.REPLICA_STATE_UNHEALTHY,
+}
+_SESSION_CODES = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.CONFLICT: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.ENDED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.TOO_MANY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.ENGINE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+_OUTCOMES = {
+    "finished": rollout_pb2.SESSION_OUTCOME_FINISHED,
+    "failed": rollout_pb2.SESSION_OUTCOME_FAILED,
+    "discarded": rollout_pb2.SESSION_OUTCOME_DISCARDED,
 }
 _PAUSE_MODES = {
     rollout_pb2.PAUSE_MODE_ABORT: "abort",
@@ -38,10 +56,30 @@ def replica_to_proto(replica: Replica) -> rollout_pb2.Replica:
     )
 
 
+def session_end_to_proto(end: SessionEnd) -> rollout_pb2.SessionEnd:
+    return rollout_pb2.SessionEnd(
+        outcome=_OUTCOMES[end.outcome],
+        trajectory_key=end.trajectory_key,
+        num_turns=end.num_turns,
+        num_prompt_tokens=end.num_prompt_tokens,
+        num_response_tokens=end.num_response_tokens,
+        reason=end.reason,
+    )
+
+
 class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
-    def __init__(self, pool: ReplicaPool, workers: list[RolloutWorker]) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        workers: list[RolloutWorker],
+        sessions: AgentSessions | None = None,
+        *,
+        agent_http_port: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._pool = pool
         self._workers = workers
+        self._sessions = sessions
+        self._agent_http_port = agent_http_port
 
     async def GetStatus(
         self, request: rollout_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
@@ -115,6 +153,65 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
         (replica,) = await self._select([request.replica_id], context)
         moved = self._pool.drain(replica, request.reason or "drained by request")
         return rollout_pb2.DrainReplicaResponse(num_requeued=moved)
+
+    async def OpenSession(
+        self, request: rollout_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.OpenSessionResponse:
+        sessions = await self._agent_sessions(context)
+        spec = SessionSpec(
+            partition=request.partition,
+            uid=request.uid,
+            index=request.index,
+            claim_id=request.claim_id,
+            data_source=request.data_source,
+            ground_truth=request.ground_truth,
+            labels=dict(request.labels),
+        )
+        try:
+            session = await sessions.open(spec)
+        except AgentError as exc:
+            await context.abort(_SESSION_CODES[exc.kind], exc.message)
+        return rollout_pb2.OpenSessionResponse(
+            session_id=session.session_id,
+            partition=session.partition,
+            uid=session.uid,
+            index=session.index,
+            base_path=f"/sessions/{session.session_id}/v1",
+            agent_http_port=self._agent_http_port(),
+        )
+
+    async def CloseSession(
+        self, request: rollout_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.CloseSessionResponse:
+        sessions = await self._agent_sessions(context, request.session_id)
+        try:
+            end = await sessions.close_session(request.session_id)
+        except AgentError as exc:
+            await context.abort(_SESSION_CODES[exc.kind], exc.message)
+        return rollout_pb2.CloseSessionResponse(end=session_end_to_proto(end))
+
+    async def AbortSession(
+        self, request: rollout_pb2.AbortSessionRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.AbortSessionResponse:
+        sessions = await self._agent_sessions(context, request.session_id)
+        try:
+            end = await sessions.abort(request.session_id, request.reason)
+        except AgentError as exc:
+            await context.abort(_SESSION_CODES[exc.kind], exc.message)
+        return rollout_pb2.AbortSessionResponse(end=session_end_to_proto(end))
+
+    async def _agent_sessions(
+        self, context: grpc.aio.ServicerContext, session_id: str | None = None
+    ) -> AgentSessions:
+        if self._sessions is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "agent sessions are off on this gateway (agent_http.enabled: false)",
+            )
+        if session_id is not None and not session_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
+        assert self._sessions is not None
+        return self._sessions
 
     async def _select(
         self, replica_ids: list[str], context: grpc.aio.ServicerContext

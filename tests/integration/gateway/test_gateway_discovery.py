@@ -14,11 +14,8 @@ import pytest
 from aiohttp import web
 
 from relayrl.engine.process import free_port
-from relayrl.gateway.discovery import (
-    EndpointSliceDiscovery,
-    KubernetesDiscoveryConfig,
-    endpoint_urls,
-)
+from relayrl.gateway.config import KubernetesDiscoveryConfig
+from relayrl.gateway.discovery import EndpointSliceDiscovery, endpoint_urls
 from relayrl.gateway.replicas import ReplicaPool
 
 NS, SERVICE = "rl", "engines"

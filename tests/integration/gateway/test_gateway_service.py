@@ -157,3 +157,71 @@ def test_an_engine_killed_mid_rollout_yields_infra_trajectories_not_a_hang(
         assert "Engine" in trajectory.error or "replica" in trajectory.error
         assert not trajectory.HasField("reward")  # never a reward, let alone 0
     tq.close()
+
+
+def test_control_plane_pauses_resumes_at_a_new_version_and_refuses_bad_requests(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    import urllib.request
+
+    import grpc
+
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    config = gateway_config(redis_server, model_dir, engine.url, batch_size=8)
+    with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
+        paused = rpc(
+            gateway,
+            lambda stub: stub.PauseReplicas(
+                rollout_pb2.PauseReplicasRequest(mode=rollout_pb2.PAUSE_MODE_KEEP, next_version=5)
+            ),
+        )
+        assert list(paused.paused_replica_ids) == ["engine-0"]
+        listed = rpc(gateway, lambda stub: stub.ListReplicas(rollout_pb2.ListReplicasRequest()))
+        assert listed.replicas[0].state == rollout_pb2.REPLICA_STATE_PAUSED
+        tq.put_groups(P, [group("v5")])  # claimed, but waits: no replica serves
+        time.sleep(1.0)
+        assert tq.counts(P).groups.get("finished", 0) == 0
+        rpc(
+            gateway,
+            lambda stub: stub.ResumeReplicas(
+                rollout_pb2.ResumeReplicasRequest(version=common_pb2.WeightVersion(version=5))
+            ),
+        )
+        wait_until(lambda: tq.counts(P).groups.get("finished", 0) == 1, 60, "the group")
+        (entry,) = tq.get_groups(P, ["v5"])
+        assert {t.tags.min_policy_version for t in entry.trajectories} == {5}
+        assert {t.spans[0].policy_version for t in entry.trajectories} == {5}
+
+        def refused(call: Callable) -> grpc.StatusCode:  # type: ignore[type-arg]
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                rpc(gateway, call)
+            return error.value.code()
+
+        assert (
+            refused(lambda stub: stub.PauseReplicas(rollout_pb2.PauseReplicasRequest()))
+            is grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert (
+            refused(
+                lambda stub: stub.DrainReplica(rollout_pb2.DrainReplicaRequest(replica_id="nope"))
+            )
+            is grpc.StatusCode.NOT_FOUND
+        )
+        assert (
+            refused(
+                lambda stub: stub.UpdatePolicyStep(
+                    rollout_pb2.UpdatePolicyStepRequest(policy_step=-1)
+                )
+            )
+            is grpc.StatusCode.INVALID_ARGUMENT
+        )
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+        assert 'relayrl_gateway_rollouts_total{outcome="finished",partition="train"} 2.0' in metrics
+        assert 'relayrl_gateway_prefix_cache_resets_total{replica="engine-0"} 1.0' in metrics
+        assert "relayrl_gateway_pause_duration_seconds_count 1.0" in metrics
+    tq.close()

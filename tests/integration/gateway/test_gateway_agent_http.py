@@ -1,0 +1,751 @@
+"""The agent gateway for black-box agents, end to end: a real redis-server, a real vLLM engine on
+the tiny model, the real `relayrl-gateway` process, and agents written with the official
+`openai` client against `/sessions/<id>/v1`.
+
+The gateway does the token accounting: a multi-turn tool conversation comes back from the
+TransferQueue as one trajectory whose prompt is the chat template's, whose generated tokens
+are the engine's own (mask 1, log-probs, version and replica spans) and whose tool results and
+user turns are the template's tokens (mask 0), every turn's engine prompt a byte-identical
+prefix of the next. The random tiny model does not call tools by itself: the agent steers the
+turns that must call one with vLLM structured outputs passed through the gateway
+(`extra_body={"structured_outputs": {"regex": ...}}`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from relayrl.core.grpc_client import make_channel
+from relayrl.core.service_process import ServiceProcess
+from relayrl.engine.client import (
+    EngineClient,
+    EngineUnavailable,
+    GenerateRequest,
+    Generation,
+    VersionSpan,
+)
+from relayrl.engine.config import EngineConfig
+from relayrl.engine.process import EngineProcess
+from relayrl.gateway.config import AgentHttpConfig
+from relayrl.gateway.replicas import ReplicaPool
+from relayrl.gateway.sessions import (
+    AgentError,
+    AgentSessions,
+    ChatRequest,
+    ErrorKind,
+    SessionSpec,
+    TurnSampling,
+)
+from relayrl.models.tiny import TinyModelConfig, init_model
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from relayrl.tq import TransferQueue
+from relayrl.tq.server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+MODEL = "policy"
+AGENT_PARTITION = "agent"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+STEP_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("model") / "tiny"
+    init_model(directory, TinyModelConfig())
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    workdir = tmp_path_factory.mktemp("engine")
+    config = EngineConfig(model=model_dir, max_model_len=1024, cache_dir=workdir / "cache")
+    process = EngineProcess(config, workdir).start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+class Gateway:
+    """The gateway process and the ways in: its agent HTTP endpoint and its gRPC service."""
+
+    def __init__(self, process: ServiceProcess) -> None:
+        self.process = process
+        ready = json.loads(process.ready_file.read_text())
+        self.http = f"http://127.0.0.1:{ready['agent_http_port']}"
+
+    def agent(self, session_id: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.http}/sessions/{session_id}/v1", api_key="x", max_retries=0
+        )
+
+    async def post(self, path: str, body: Any = None, **kwargs: Any) -> tuple[int, Any]:
+        async with aiohttp.ClientSession(trust_env=False) as http:
+            data = body if isinstance(body, bytes | str) else json.dumps(body or {})
+            async with http.post(self.http + path, data=data, **kwargs) as response:
+                return response.status, await response.json(content_type=None)
+
+    async def get(self, path: str) -> Any:
+        async with (
+            aiohttp.ClientSession(trust_env=False) as http,
+            http.get(self.http + path) as response,
+        ):
+            return await response.json()
+
+    async def open(self, **spec: Any) -> str:
+        status, body = await self.post("/sessions", spec)
+        assert status == 201, body
+        return body["session_id"]
+
+    def rpc(self, call: Callable[[rollout_pb2_grpc.RolloutGatewayStub], Any]) -> Any:
+        async def main() -> Any:
+            async with make_channel(self.process.target, default_timeout_s=30) as channel:
+                return await call(rollout_pb2_grpc.RolloutGatewayStub(channel))
+
+        return asyncio.run(main())
+
+
+def gateway(
+    redis: RedisServer, model_dir: Path, urls: list[str], workdir: Path, **agent_http: Any
+) -> ServiceProcess:
+    config = {
+        "tq": {"url": redis.url},
+        "tokenizer": str(model_dir),
+        "engines": {"urls": urls, "health_interval_s": 0.5, "request_timeout_s": 60},
+        # No rollout loop: only agent sessions touch the TransferQueue here.
+        "rollout": {"partitions": []},
+        "agent_http": {
+            "model_name": MODEL,
+            "max_tokens": 200,
+            "default_max_tokens": 16,
+            **agent_http,
+        },
+    }
+    return ServiceProcess("relayrl-gateway", config, workdir)
+
+
+def call_regex(name: str, **arguments: Any) -> str:
+    text = f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    return re.escape(text)
+
+
+def steer(regex: str, **extra: Any) -> dict[str, Any]:
+    return {"structured_outputs": {"regex": regex}, "return_token_ids": True, **extra}
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def rescored_logprobs(model_dir: Path, trajectory: common_pb2.Trajectory) -> list[float]:
+    """Response log-probs under transformers, teacher-forced on the recorded trajectory."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = list(trajectory.prompt_token_ids)
+    ids = prompt + list(trajectory.response_token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    per_token = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])
+    return per_token[len(prompt) - 1 :, 0].tolist()
+
+
+# --- a whole conversation ----------------------------------------------------------------------
+
+
+def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
+    redis_server: RedisServer,
+    model_dir: Path,
+    engine: EngineProcess,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp_path: Path,
+) -> None:
+    question = [{"role": "user", "content": "What is 2 + 2? Use the tool."}]
+
+    async def agent(gw: Gateway, session_id: str) -> list[Any]:
+        client = gw.agent(session_id)
+        messages: list[Any] = list(question)
+        answers = []
+        # Turn 0: the call (steered), answered by the agent's own tool.
+        first = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=60,
+            extra_body=steer(call_regex("add", a=2, b=2)),
+        )
+        answers.append(first)
+        call = first.choices[0].message.tool_calls[0]
+        arguments = json.loads(call.function.arguments)
+        result = arguments["a"] + arguments["b"]
+        messages += [
+            first.choices[0].message,  # the client's own object, as agents append it
+            {"role": "tool", "tool_call_id": call.id, "content": str(result)},
+        ]
+        # Turn 1: the answer after the tool result (steered).
+        second = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=20,
+            extra_body=steer(re.escape("Answer: 4")),
+        )
+        answers.append(second)
+        messages += [
+            second.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "Thanks. Say more."},
+        ]
+        # Turn 2: a free generation after a user turn, with log-probs.
+        request = {
+            "model": MODEL,
+            "messages": messages,
+            "tools": TOOLS,
+            "max_tokens": 16,
+            "seed": 5,
+            "logprobs": True,
+            "extra_body": {"return_token_ids": True},
+        }
+        third = await client.chat.completions.create(**request)
+        answers.append(third)
+        # A client retry of the same request gets the recorded answer, not a new sample.
+        again = await client.chat.completions.create(**request)
+        assert again.model_dump() == third.model_dump()
+        return answers
+
+    tq = TransferQueue(redis_server.client())
+    with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
+        gw = Gateway(process)
+        session_id = asyncio.run(
+            gw.open(data_source="arith", ground_truth="4", labels={"task": "add"})
+        )
+        first, second, third = asyncio.run(agent(gw, session_id))
+        status, end = asyncio.run(gw.post(f"/sessions/{session_id}/close"))
+        assert status == 200, end
+        # Closing twice returns how the session ended.
+        assert asyncio.run(gw.post(f"/sessions/{session_id}/close")) == (200, end)
+
+    # What the agent saw.
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and message.content is None
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 2}
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.content == "Answer: 4"
+    assert not second.choices[0].message.tool_calls
+    assert third.choices[0].finish_reason in ("stop", "length")
+    assert len(third.choices[0].logprobs.content) == third.usage.completion_tokens
+    assert all(t.model_extra["relayrl"]["replica"] == "engine-0" for t in (first, second, third))
+    assert [t.model_extra["relayrl"]["turn"] for t in (first, second, third)] == [0, 1, 2]
+
+    # What the TransferQueue holds.
+    assert end["outcome"] == "finished" and end["num_turns"] == 3
+    (entry,) = tq.get_groups(AGENT_PARTITION, [f"agent-{session_id}"])
+    assert end["trajectory_key"] == f"agent-{session_id}_0"
+    group = entry.group
+    assert (group.num_samples, group.data_source, group.ground_truth) == (1, "arith", "4")
+    assert group.labels["task"] == "add" and group.agent == "agent_http"
+    assert group.tags.status == common_pb2.GROUP_STATUS_FINISHED
+    (trajectory,) = entry.trajectories
+    assert trajectory.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
+    assert not trajectory.tags.is_infra and not trajectory.error
+    assert trajectory.labels["agent_session"] == session_id and trajectory.labels["task"] == "add"
+
+    prompt = list(trajectory.prompt_token_ids)
+    response = list(trajectory.response_token_ids)
+    rendered = tokenizer.apply_chat_template(
+        question, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == encode(tokenizer, rendered) == list(group.prompt_token_ids)
+    # Every turn's engine prompt is the recorded context so far, token for token, and the
+    # turn's tokens are the engine's, verbatim.
+    answers = [a.model_dump() for a in (first, second, third)]
+    generated = [s for s in trajectory.spans if s.generated]
+    observed = [s for s in trajectory.spans if not s.generated]
+    assert [s.turn for s in generated] == [0, 1, 2] and [s.turn for s in observed] == [0, 1]
+    for span, answer in zip(generated, answers, strict=True):
+        assert answer["prompt_token_ids"] == prompt + response[: span.start]
+        assert answer["choices"][0]["token_ids"] == response[span.start : span.end]
+        assert (span.policy_version, span.replica) == (0, "engine-0")
+    assert generated[-1].end == len(response)
+    # Masks: 1 on the engine's tokens, 0 on the tool result and the user turn.
+    mask = trajectory.response_mask
+    assert len(mask) == len(response) == len(trajectory.rollout_logprobs)
+    for span in trajectory.spans:
+        assert set(mask[span.start : span.end]) == {int(span.generated)}
+        logprobs = trajectory.rollout_logprobs[span.start : span.end]
+        assert all(lp <= 0.0 for lp in logprobs) if span.generated else set(logprobs) == {0.0}
+    free = generated[2]
+    assert list(trajectory.rollout_logprobs[free.start : free.end]) == pytest.approx(
+        [entry.logprob for entry in third.choices[0].logprobs.content], abs=1e-6
+    )
+    # The observations are the template's text after an assistant turn: the tool result, then
+    # the user turn. A turn that ended on <|im_end|> keeps it and the observation does not
+    # repeat it; one that ended on the other stop token (<|endoftext|>, which a finished
+    # regex lets the engine sample too) keeps that and the observation closes the turn.
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    texts = [tokenizer.decode(response[s.start : s.end]) for s in observed]
+    closings = ["\n" if response[s.start - 1] == im_end else "<|im_end|>\n" for s in observed]
+    tool_turn = "<|im_start|>user\n<tool_response>\n4\n</tool_response>"
+    assert texts[0] == closings[0] + tool_turn + STEP_SUFFIX
+    assert texts[1] == closings[1] + "<|im_start|>user\nThanks. Say more." + STEP_SUFFIX
+    # The steered turns generated what the template renders for those messages, so the whole
+    # trajectory is the template's rendering of the conversation, byte for byte (but for the
+    # <|endoftext|> a turn may have stopped on).
+    conversation = [
+        *question,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "4"},
+        {"role": "assistant", "content": "Answer: 4"},
+        {"role": "user", "content": "Thanks. Say more."},
+    ]
+    head = tokenizer.apply_chat_template(
+        conversation, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    recorded = tokenizer.decode(prompt + response[: free.start])
+    assert recorded.replace("<|endoftext|>", "") == head
+    # The trainer's re-scoring of the recorded sequence gives the engine's log-probs on the
+    # free turn: its context reached the engine exactly as recorded.
+    rescored = rescored_logprobs(model_dir, trajectory)
+    assert list(trajectory.rollout_logprobs[free.start : free.end]) == pytest.approx(
+        rescored[free.start : free.end], abs=2e-3
+    )
+    tq.close()
+
+
+# --- what agents get wrong --------------------------------------------------------------------
+
+
+def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    hello = [{"role": "user", "content": "hello"}]
+
+    async def main(gw: Gateway) -> None:
+        session_id = await gw.open()
+        path = f"/sessions/{session_id}/v1/chat/completions"
+
+        async def error(path: str, body: Any, status: int, **kwargs: Any) -> dict[str, Any]:
+            got, answer = await gw.post(path, body, **kwargs)
+            assert got == status, answer
+            assert set(answer["error"]) == {"message", "type", "param", "code"}
+            assert answer["error"]["message"]
+            return answer["error"]
+
+        assert (await error(path, b"{not json", 400))["type"] == "invalid_request_error"
+        assert (await error(path, {"model": MODEL}, 400))["param"] == "messages"
+        assert (await error(path, {"model": MODEL, "messages": []}, 400))["param"] == "messages"
+        wrong = await error(path, {"model": "gpt-4o", "messages": hello}, 404)
+        assert wrong["code"] == "model_not_found" and "policy" in wrong["message"]
+        too_many = {"model": MODEL, "messages": hello, "max_tokens": 100_000}
+        assert (await error(path, too_many, 400))["param"] == "max_tokens"
+        assert (await error(path, {"model": MODEL, "messages": hello, "n": 2}, 400))["param"] == "n"
+        bad_role = {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}
+        assert "role" in (await error(path, bad_role, 400))["message"]
+        long_stop = {"model": MODEL, "messages": hello, "stop": ["two words"]}
+        assert (await error(path, long_stop, 400))["param"] == "stop"
+        unknown = await error("/sessions/nope/v1/chat/completions", {}, 404)
+        assert unknown["code"] == "session_not_found"
+        no_session = await error("/v1/chat/completions", {"model": MODEL, "messages": hello}, 400)
+        assert "X-Relayrl-Session" in no_session["message"]
+        assert (await error("/no/such/route", {}, 404))["type"] == "invalid_request_error"
+        assert "unknown fields" in (await error("/sessions", {"colour": "red"}, 400))["message"]
+
+        # None of that touched the session; the header form reaches it too.
+        status, answer = await gw.post(
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": hello, "max_tokens": 4},
+            headers={"X-Relayrl-Session": session_id},
+        )
+        assert status == 200 and answer["relayrl"]["turn"] == 0, answer
+        reply = answer["choices"][0]["message"]
+
+        # The official client sees the same errors as typed exceptions.
+        client = gw.agent(session_id)
+        with pytest.raises(openai.NotFoundError):
+            await gw.agent("missing").chat.completions.create(model=MODEL, messages=hello)
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model=MODEL, messages=hello, max_tokens=10**6)
+        # An agent that edits an earlier turn is refused: the recorded tokens are what the
+        # policy saw.
+        edited = [{"role": "user", "content": "HELLO"}, reply, {"role": "user", "content": "?"}]
+        with pytest.raises(openai.ConflictError) as diverged:
+            await client.chat.completions.create(model=MODEL, messages=edited)
+        assert diverged.value.body["code"] == "conversation_diverged"
+        # ... while one that extends it goes on, streamed if it asks.
+        extended = [*hello, reply, {"role": "user", "content": "go on"}]
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=extended,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+        assert 1 <= chunks[-1].usage.completion_tokens <= 4
+
+        state = await gw.get(f"/sessions/{session_id}")
+        assert (state["num_turns"], state["kind"], state["replica"]) == (2, "chat", "engine-0")
+        assert state["num_response_tokens"] > state["num_turns"]
+
+        status, end = await gw.post(f"/sessions/{session_id}/close")
+        assert status == 200 and end["outcome"] == "finished" and end["num_turns"] == 2
+        ended = await error(path, {"model": MODEL, "messages": extended}, 410)
+        assert "closed" in ended["message"]
+        no_model = await error(f"/sessions/{await gw.open()}/v1/completions", {"prompt": "x"}, 400)
+        assert no_model["param"] == "model"
+
+    async def completions(gw: Gateway) -> None:
+        session_id = await gw.open()
+        client = gw.agent(session_id)
+        token_ids = {"return_token_ids": True}
+        first = await client.completions.create(
+            model=MODEL, prompt="Once upon", max_tokens=5, extra_body=token_ids
+        )
+        text = first.choices[0].text
+        follow = "Once upon" + text + " and then"
+        second = await client.completions.create(
+            model=MODEL, prompt=follow, max_tokens=5, logprobs=0, extra_body=token_ids
+        )
+        recorded = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+        assert second.model_extra["prompt_token_ids"][: len(recorded)] == recorded
+        assert len(second.choices[0].logprobs.token_logprobs) == second.usage.completion_tokens
+        with pytest.raises(openai.ConflictError):
+            await client.completions.create(model=MODEL, prompt="Twice upon", max_tokens=5)
+        status, end = await gw.post(f"/sessions/{session_id}/close")
+        assert status == 200 and end["num_turns"] == 2, end
+
+    with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
+        gw = Gateway(process)
+        asyncio.run(main(gw))
+        asyncio.run(completions(gw))
+        for request, code in [
+            (rollout_pb2.OpenSessionRequest(index=1), grpc.StatusCode.INVALID_ARGUMENT),
+            (rollout_pb2.OpenSessionRequest(uid="g1"), grpc.StatusCode.INVALID_ARGUMENT),
+            (
+                rollout_pb2.OpenSessionRequest(partition="train", uid="g1", claim_id="c1"),
+                grpc.StatusCode.NOT_FOUND,  # no such group
+            ),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                gw.rpc(lambda stub, request=request: stub.OpenSession(request))
+            assert failed.value.code() == code and failed.value.details()
+        for session_id, code in [("x", "NOT_FOUND"), ("", "INVALID_ARGUMENT")]:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                gw.rpc(
+                    lambda stub, sid=session_id: stub.CloseSession(
+                        rollout_pb2.CloseSessionRequest(session_id=sid)
+                    )
+                )
+            assert failed.value.code() == getattr(grpc.StatusCode, code)
+        # A session still open when the gateway stops (SIGTERM) is put as failed.
+        left_open = asyncio.run(gw.open())
+        asyncio.run(
+            gw.agent(left_open).chat.completions.create(model=MODEL, messages=hello, max_tokens=3)
+        )
+    tq = TransferQueue(redis_server.client())
+    (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [f"agent-{left_open}_0"])
+    assert trajectory.tags.is_infra and trajectory.error == "the gateway shut down"
+    tq.close()
+
+
+# --- routing, claimed groups, abort -----------------------------------------------------------
+
+
+def test_sessions_stick_to_their_replica_and_an_abort_fails_the_trajectory_as_infra(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition("train")
+    tq.put_groups(
+        "train",
+        [
+            common_pb2.PromptGroup(
+                uid="g1", num_samples=2, prompt_token_ids=[1, 2, 3], data_source="arith"
+            )
+        ],
+    )
+    (claim,) = tq.claim_groups("train", max_groups=1, claimer="orchestrator", lease_s=600).claimed
+    # Two replicas (two names of the same engine): new sessions spread, and stay.
+    urls = [engine.url, engine.url.replace("127.0.0.1", "localhost")]
+
+    async def converse(gw: Gateway, session_id: str, turns: int) -> list[str]:
+        client = gw.agent(session_id)
+        messages: list[Any] = [{"role": "user", "content": f"hi from {session_id[:6]}"}]
+        replicas = []
+        for turn in range(turns):
+            answer = await client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=6, seed=turn
+            )
+            replicas.append(answer.model_extra["relayrl"]["replica"])
+            messages += [answer.choices[0].message, {"role": "user", "content": "more"}]
+        return replicas
+
+    with gateway(redis_server, model_dir, urls, tmp_path / "gw") as process:
+        gw = Gateway(process)
+        opened = [
+            gw.rpc(lambda stub: stub.OpenSession(rollout_pb2.OpenSessionRequest(data_source="x")))
+            for _ in range(2)
+        ]
+        on_sample = gw.rpc(
+            lambda stub: stub.OpenSession(
+                rollout_pb2.OpenSessionRequest(
+                    partition="train", uid="g1", index=1, claim_id=claim.claim_id
+                )
+            )
+        )
+        assert (on_sample.uid, on_sample.index, on_sample.partition) == ("g1", 1, "train")
+        assert on_sample.base_path == f"/sessions/{on_sample.session_id}/v1"
+        assert on_sample.agent_http_port == int(gw.http.rsplit(":", 1)[1])
+        with pytest.raises(grpc.aio.AioRpcError) as twice:  # one session per sample
+            gw.rpc(
+                lambda stub: stub.OpenSession(
+                    rollout_pb2.OpenSessionRequest(
+                        partition="train", uid="g1", index=1, claim_id=claim.claim_id
+                    )
+                )
+            )
+        assert twice.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        async def all_sessions() -> list[list[str]]:
+            # Two sessions at once: whichever asks first takes one replica, the other one the
+            # other (it has fewer sessions); each stays where it started for all its turns.
+            pair = await asyncio.gather(
+                converse(gw, opened[0].session_id, 3), converse(gw, opened[1].session_id, 3)
+            )
+            return [*pair, await converse(gw, on_sample.session_id, 2)]
+
+        first, second, third = asyncio.run(all_sessions())
+        assert len(set(first)) == len(set(second)) == len(set(third)) == 1
+        assert {first[0], second[0]} == {"engine-0", "engine-1"}
+
+        aborted = gw.rpc(
+            lambda stub: stub.AbortSession(
+                rollout_pb2.AbortSessionRequest(
+                    session_id=opened[0].session_id, reason="the agent's sandbox died"
+                )
+            )
+        ).end
+        assert aborted.outcome == rollout_pb2.SESSION_OUTCOME_FAILED
+        assert aborted.reason == "the agent's sandbox died" and aborted.num_turns == 3
+        closed = gw.rpc(
+            lambda stub: stub.CloseSession(
+                rollout_pb2.CloseSessionRequest(session_id=opened[1].session_id)
+            )
+        ).end
+        assert closed.outcome == rollout_pb2.SESSION_OUTCOME_FINISHED
+        status, sample_end = asyncio.run(gw.post(f"/sessions/{on_sample.session_id}/close"))
+        assert status == 200 and sample_end["trajectory_key"] == "g1_1"
+        # A session that generated nothing leaves nothing behind.
+        idle_id = asyncio.run(gw.open())
+        status, discarded = asyncio.run(gw.post(f"/sessions/{idle_id}/abort", {"reason": "nah"}))
+        assert status == 200 and discarded["outcome"] == "discarded", discarded
+        assert discarded["trajectory_key"] == ""
+
+    (failed,) = tq.get_trajectories(AGENT_PARTITION, [aborted.trajectory_key])
+    assert failed.tags.status == common_pb2.TRAJECTORY_STATUS_FAILED and failed.tags.is_infra
+    assert failed.error == "the agent's sandbox died" and not failed.HasField("reward")
+    assert len(failed.response_token_ids) == aborted.num_response_tokens > 0
+    assert {s.replica for s in failed.spans if s.generated} == {first[0]}
+    (finished,) = tq.get_trajectories(AGENT_PARTITION, [closed.trajectory_key])
+    assert finished.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
+    assert {s.replica for s in finished.spans if s.generated} == {second[0]}
+    # The claimed group's sample went in under the orchestrator's claim; sample 0 is still
+    # missing, so the group keeps running.
+    (entry,) = tq.get_groups("train", ["g1"])
+    assert entry.group.tags.status == common_pb2.GROUP_STATUS_RUNNING
+    assert [t.index for t in entry.trajectories] == [1]
+    assert entry.trajectories[0].tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
+    counts = tq.counts(AGENT_PARTITION)
+    assert sum(counts.trajectories.values()) == 2  # the discarded session wrote nothing
+    tq.close()
+
+
+def test_an_idle_session_is_aborted_as_infra(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    tq = TransferQueue(redis_server.client())
+    idle_s = 1.5
+    with gateway(
+        redis_server, model_dir, [engine.url], tmp_path / "gw", session_idle_timeout_s=idle_s
+    ) as process:
+        gw = Gateway(process)
+        session_id = asyncio.run(gw.open())
+
+        async def one_turn() -> None:
+            await gw.agent(session_id).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+
+        asyncio.run(one_turn())
+        key = f"agent-{session_id}_0"
+        wait_until(
+            lambda: tq.counts(AGENT_PARTITION).trajectories.get("failed", 0) == 1,
+            30,
+            "the idle session's trajectory",
+        )
+        with pytest.raises(openai.APIStatusError) as ended:
+            asyncio.run(one_turn())
+        assert ended.value.status_code == 410 and "idle" in ended.value.message
+    (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [key])
+    assert trajectory.tags.is_infra and "idle" in trajectory.error
+    tq.close()
+
+
+# --- in process: cancellation and engine failures -------------------------------------------
+
+
+class ScriptedEngine(EngineClient):
+    """An engine replica in process whose generate calls follow a script: "answer" (a short
+    reply ending on <|im_end|>), "fail" (the engine is unreachable) or "hang" (until
+    cancelled)."""
+
+    name = "scripted"
+
+    def __init__(self, im_end: int) -> None:
+        self.script: list[str] = []
+        self.hanging = asyncio.Event()
+        self._im_end = im_end
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        action = self.script.pop(0)
+        if action == "fail":
+            raise EngineUnavailable("scripted: connection refused")
+        if action == "hang":
+            self.hanging.set()
+            await asyncio.Event().wait()
+        tokens = (70, 71, 72, self._im_end)
+        return Generation(
+            request.request_id, tokens, (-0.5,) * 4, "stop", (VersionSpan("3", 0, 4),)
+        )
+
+    async def health(self) -> bool:
+        return True
+
+    async def pause(self, mode: str) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def is_paused(self) -> bool:
+        return False
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def weight_version(self) -> str:
+        return "3"
+
+    async def set_weight_version(self, version: str) -> None: ...
+
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    async def worker_rpc(self, method: str, payload: dict[str, Any]) -> list[Any]:
+        return []
+
+    async def close(self) -> None: ...
+
+
+def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_session(
+    redis_server: RedisServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    hello = [{"role": "user", "content": "hello"}]
+
+    def chat(messages: list[dict[str, Any]]) -> ChatRequest:
+        return ChatRequest(messages, None, TurnSampling(max_tokens=8))
+
+    async def main(tq: TransferQueue) -> None:
+        pool = ReplicaPool(health_interval_s=0.1)
+        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        await pool.add("engine-0", engine)
+        pool.start_health_checks()  # the failure takes the replica out until its next check
+        sessions = AgentSessions(
+            tq=tq,
+            pool=pool,
+            tokenizer=tokenizer,
+            config=AgentHttpConfig(),
+            claimer="test",
+            lease_s=60,
+            request_timeout_s=10,
+        )
+        await sessions.start()
+        # A pending group that sorts ahead of the session's: claimed on the way, given back.
+        tq.put_groups(
+            AGENT_PARTITION,
+            [common_pb2.PromptGroup(uid="aaa", num_samples=1, prompt_token_ids=[1])],
+        )
+        session_id = (await sessions.open(SessionSpec(data_source="x"))).session_id
+        engine.script = ["fail", "answer", "hang"]
+
+        with pytest.raises(AgentError) as failed:
+            await sessions.chat(session_id, chat(hello))
+        assert failed.value.kind is ErrorKind.ENGINE and "connection refused" in str(failed.value)
+        assert sessions.get(session_id).num_turns == 0  # nothing recorded; retry
+        first = await sessions.chat(session_id, chat(hello))
+        assert first.content == tokenizer.decode([70, 71, 72])
+        (passed,) = tq.get_groups(AGENT_PARTITION, ["aaa"], with_trajectories=False)
+        assert passed.group.tags.status == common_pb2.GROUP_STATUS_PENDING
+
+        follow_up = [*hello, {"role": "assistant", "content": first.content}]
+        follow_up.append({"role": "user", "content": "more"})
+        in_flight = asyncio.create_task(sessions.chat(session_id, chat(follow_up)))
+        await engine.hanging.wait()
+        with pytest.raises(AgentError) as busy:
+            await sessions.chat(session_id, chat(follow_up))
+        assert busy.value.code == "request_in_flight"
+        end = await sessions.abort(session_id, "the agent's container was evicted")
+        assert (end.outcome, end.num_turns) == ("failed", 1)
+        with pytest.raises(AgentError) as cut:
+            await in_flight
+        assert cut.value.kind is ErrorKind.ENDED and "evicted" in str(cut.value)
+        (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [end.trajectory_key])
+        assert trajectory.tags.is_infra and trajectory.error == "the agent's container was evicted"
+        assert list(trajectory.response_token_ids) == [70, 71, 72, engine._im_end]
+        (span,) = trajectory.spans
+        assert (span.policy_version, span.replica, span.turn) == (3, "engine-0", 0)
+        await sessions.close()
+        await pool.close()
+
+    tq = TransferQueue(redis_server.client())
+    try:
+        asyncio.run(main(tq))
+    finally:
+        tq.close()
