@@ -18,9 +18,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+import redis
 
 from relayrl.engine.client import (
     EngineError,
@@ -39,7 +42,10 @@ from relayrl.tq.errors import StaleClaimError, TQError
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.2
+# The claim loop is woken by new pending groups (see _PendingWatcher); this poll is only the
+# fallback for a missed wake-up.
+IDLE_POLL_S = 1.0
+WATCH_BLOCK_MS = 1000
 
 
 @dataclass
@@ -226,6 +232,7 @@ class RolloutWorker:
         self._groups: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watcher: _PendingWatcher | None = None
         self.num_launched = 0
         self.counts = {"finished": 0, "failed": 0}
 
@@ -241,6 +248,8 @@ class RolloutWorker:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._claim_loop(), name=f"rollout-{self.partition}")
+        self._watcher = _PendingWatcher(self._tq, self.partition, self._wake)
+        self._watcher.start()
 
     async def _claim_loop(self) -> None:
         while True:
@@ -355,6 +364,8 @@ class RolloutWorker:
         return trajectory
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
         """Stop claiming; cancel running groups (their claims expire and return to pending,
         keeping the trajectories already written)."""
         if self._task is not None:
@@ -363,3 +374,40 @@ class RolloutWorker:
         for task in list(self._groups.values()):
             task.cancel()
         await asyncio.gather(*self._groups.values(), return_exceptions=True)
+
+
+class _PendingWatcher:
+    """Wakes the claim loop the moment a group becomes pending (put, released, requeued,
+    reissued), instead of letting a synchronous step wait out a poll interval: it blocks on
+    the partition's event stream in a thread of its own (a blocked read would otherwise hold
+    one of asyncio's few default worker threads)."""
+
+    def __init__(self, tq: TransferQueue, partition: str, wake: asyncio.Event) -> None:
+        self._redis = tq.redis
+        self._stream = f"{tq.key_prefix(partition)}events"
+        self._wake = wake
+        self._loop = asyncio.get_running_loop()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"pending-watch-{partition}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()  # the thread ends within one block interval
+
+    def _run(self) -> None:
+        last_id = "$"
+        while not self._stopping.is_set():
+            try:
+                reply = self._redis.xread({self._stream: last_id}, block=WATCH_BLOCK_MS)
+            except redis.RedisError:
+                self._stopping.wait(1.0)  # Redis away: the claim loop's poll still runs
+                continue
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    if fields.get(b"kind") == b"group" and fields.get(b"to") == b"pending":
+                        self._loop.call_soon_threadsafe(self._wake.set)
