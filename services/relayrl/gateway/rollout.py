@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import redis
 
+from relayrl.core.logs import REQUEST_ID
 from relayrl.engine.client import (
     EngineError,
     EngineUnavailable,
@@ -328,6 +329,10 @@ class RolloutWorker:
     async def _run_sample(self, claim: ClaimedGroup, index: int) -> None:
         group = claim.group
         session_id = f"{group.uid}_{index}"
+        # Every log line of this rollout carries its session id (each sample runs in a task of
+        # its own, so the context variable is this rollout's alone); engine request ids are
+        # derived from it too.
+        REQUEST_ID.set(session_id)
         started = time.time()
         try:
             trajectory, failed = await self._rollout(group, index, session_id, started), False

@@ -6,6 +6,7 @@ not a hang and not a reward."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -147,6 +148,8 @@ def test_an_engine_killed_mid_rollout_yields_infra_trajectories_not_a_hang(
             status = rpc(gateway, lambda stub: stub.ListReplicas(rollout_pb2.ListReplicasRequest()))
             assert status.replicas[0].state == rollout_pb2.REPLICA_STATE_UNHEALTHY
             assert gateway.alive()
+            # The failure is logged under the rollout's session id.
+            assert re.search(r"\[(k\d_\d)\] rollout \1 failed \(infrastructure\)", gateway.log())
     finally:
         doomed.kill()
     trajectories = [t for g in tq.get_groups(P, ["k0", "k1"]) for t in g.trajectories]
