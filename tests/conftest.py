@@ -11,6 +11,17 @@ from relayrl.tq import TransferQueue
 from relayrl.tq.server import RedisServer
 
 
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 model and tokenizer (`relayrl model init` defaults), built once per run
+    and shared read-only by every test that starts an engine or renders prompts."""
+    from relayrl.models.tiny import TinyModelConfig, init_model
+
+    directory = tmp_path_factory.mktemp("model") / "tiny"
+    init_model(directory, TinyModelConfig())
+    return directory
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A private redis-server (AOF everysec) on a free loopback port, with its own data dir."""

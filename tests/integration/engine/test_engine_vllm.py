@@ -24,17 +24,9 @@ from relayrl.engine.client import (
 )
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess, free_port
-from relayrl.models.tiny import TinyModelConfig, init_model
 
 PROMPT = (3, 17, 42, 99, 7, 250)
 GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model") / "tiny"
-    init_model(directory, TinyModelConfig())
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,6 @@ from relayrl.gateway.sessions import (
     SessionSpec,
     TurnSampling,
 )
-from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from relayrl.tq import TransferQueue
@@ -73,13 +72,6 @@ TOOLS = [
     }
 ]
 STEP_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model") / "tiny"
-    init_model(directory, TinyModelConfig())
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -33,20 +33,12 @@ from relayrl.gateway.agents import (
     ToolAgent,
 )
 from relayrl.gateway.tools import ToolTable
-from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.proto.common.v1 import common_pb2
 
 pytestmark = pytest.mark.slow
 
 VERSION = "7"
 STOP_IDS = {0, 2}  # <|endoftext|> (generation_config's eos) and <|im_end|>
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model") / "tiny"
-    init_model(directory, TinyModelConfig())
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,9 @@ from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.replicas import ReplicaPool, ReplicaState
 from relayrl.gateway.rollout import StickySession
-from relayrl.models.tiny import TinyModelConfig, init_model
 
 PROMPT = (1, 40, 41, 42, 2, 1)
 LONG = SamplingOptions(max_tokens=300, temperature=1.0, seed=3, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model") / "tiny"
-    init_model(directory, TinyModelConfig())
-    return directory
 
 
 def start_engine(model_dir: Path, workdir: Path) -> EngineProcess:

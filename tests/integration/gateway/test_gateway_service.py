@@ -17,20 +17,12 @@ from relayrl.core.grpc_client import make_channel
 from relayrl.core.service_process import ServiceProcess
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
-from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from relayrl.tq import TransferQueue
 from relayrl.tq.server import RedisServer
 
 P = "train"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model") / "tiny"
-    init_model(directory, TinyModelConfig())
-    return directory
 
 
 def start_engine(model_dir: Path, workdir: Path) -> EngineProcess:
