@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from relayrl.core.config import ServiceConfig, StrictModel
 from relayrl.tq.codec import check_partition_name
-from relayrl.tq.config import TQConfig
+from relayrl.tq.config import PartitionNames, TQConfig
 
 
 class KubernetesDiscoveryConfig(StrictModel):
@@ -79,7 +79,7 @@ class EnginesConfig(StrictModel):
 class RolloutConfig(StrictModel):
     """How prompt groups become trajectories."""
 
-    partitions: list[str] = Field(
+    partitions: PartitionNames = Field(
         default_factory=lambda: ["train"], description="Partitions to claim prompt groups from."
     )
     eta: float = Field(
@@ -110,13 +110,6 @@ class RolloutConfig(StrictModel):
     max_response_tokens: int = Field(
         512, ge=1, le=1_000_000, description="Default budget of response tokens, all turns."
     )
-
-    @field_validator("partitions")
-    @classmethod
-    def _partitions(cls, names: list[str]) -> list[str]:
-        for name in names:
-            check_partition_name(name)
-        return names
 
 
 class AgentsConfig(StrictModel):

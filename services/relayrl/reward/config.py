@@ -15,8 +15,7 @@ from relayrl.core.config import ServiceConfig, StrictModel
 from relayrl.reward.managers.base import BatchingConfig
 from relayrl.reward.managers.naive import NaiveConfig
 from relayrl.reward.managers.table import ManagerConfig, build_order
-from relayrl.tq.codec import check_partition_name
-from relayrl.tq.config import TQConfig
+from relayrl.tq.config import PartitionNames, TQConfig
 
 ANONYMOUS_TENANT = "anonymous"
 PIPELINE_TENANT = "pipeline"
@@ -104,7 +103,7 @@ class TQScorerConfig(StrictModel):
     """The TransferQueue path: score trajectories as they become `finished`."""
 
     enabled: bool = Field(False, description="Run the scorer (the RL pipeline's reward stage).")
-    partitions: list[str] = Field(
+    partitions: PartitionNames = Field(
         default_factory=lambda: ["train", "val"], description="Partitions whose events to score."
     )
     manager: str | None = Field(
@@ -144,13 +143,6 @@ class TQScorerConfig(StrictModel):
         description="An event delivered this often without being acknowledged goes to the "
         "dead-letter stream.",
     )
-
-    @field_validator("partitions")
-    @classmethod
-    def _partitions(cls, names: list[str]) -> list[str]:
-        for name in names:
-            check_partition_name(name)
-        return names
 
 
 class RewardConfig(ServiceConfig):

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field
 
 from relayrl.core.config import StrictModel
 from relayrl.tq.codec import check_partition_name
+
+
+def _check_partition_names(names: list[str]) -> list[str]:
+    for name in names:
+        check_partition_name(name)
+    return names
+
+
+# A list of partition names, each checked as the TransferQueue would (shared by every config
+# that names partitions).
+PartitionNames = Annotated[list[str], AfterValidator(_check_partition_names)]
 
 
 class TQConfig(StrictModel):
@@ -28,7 +39,7 @@ class TQConfig(StrictModel):
         description="Key prefix; runs that share one Redis use different namespaces. Every key "
         "is hash-tagged with it, so a Redis Cluster keeps a namespace on one shard.",
     )
-    partitions: list[str] = Field(
+    partitions: PartitionNames = Field(
         default_factory=lambda: ["train", "val"],
         description="Partitions this service creates on start (create_partition is idempotent).",
     )
@@ -56,10 +67,3 @@ class TQConfig(StrictModel):
         30.0, gt=0, description="Timeout of one Redis command (a stuck Redis is an error)."
     )
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout to connect to Redis.")
-
-    @field_validator("partitions")
-    @classmethod
-    def _partition_names(cls, names: list[str]) -> list[str]:
-        for name in names:
-            check_partition_name(name)
-        return names
