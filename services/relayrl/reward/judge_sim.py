@@ -662,7 +662,6 @@ class JudgeSim:
         return web.json_response({"ok": True})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        from aiohttp import web
 
         body = await self._read_json(request)
         if not isinstance(body, dict):
@@ -690,20 +689,32 @@ class JudgeSim:
                 }
                 for index, text, finish in outputs
             ]
-            self.stats.completed += 1
-            return web.json_response(
-                {
-                    "id": self._next_id("cmpl"),
-                    "object": "text_completion",
-                    "created": int(time.time()),
-                    "model": self.options.model,
-                    "choices": self._reorder(choices, fault),
-                    "usage": usage,
-                }
-            )
+            return self._completion_response("cmpl", "text_completion", choices, usage, fault)
+
+    def _completion_response(
+        self,
+        id_prefix: str,
+        object_name: str,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any],
+        fault: Any,
+    ) -> web.StreamResponse:
+        """A 200 answer in the OpenAI shape shared by completions and chat completions."""
+        from aiohttp import web
+
+        self.stats.completed += 1
+        return web.json_response(
+            {
+                "id": self._next_id(id_prefix),
+                "object": object_name,
+                "created": int(time.time()),
+                "model": self.options.model,
+                "choices": self._reorder(choices, fault),
+                "usage": usage,
+            }
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        from aiohttp import web
 
         body = await self._read_json(request)
         if not isinstance(body, dict):
@@ -734,17 +745,7 @@ class JudgeSim:
                 }
                 for index, content, finish in outputs
             ]
-            self.stats.completed += 1
-            return web.json_response(
-                {
-                    "id": self._next_id("chatcmpl"),
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": self.options.model,
-                    "choices": self._reorder(choices, fault),
-                    "usage": usage,
-                }
-            )
+            return self._completion_response("chatcmpl", "chat.completion", choices, usage, fault)
 
     async def _forward(
         self, request: web.Request, endpoint: str
