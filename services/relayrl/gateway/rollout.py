@@ -51,15 +51,20 @@ WATCH_BLOCK_MS = 1000
 
 @dataclass
 class Throttle:
-    """launched < (policy_step + 1 + eta) * batch_size, in prompt groups."""
+    """launched < (policy_step + 1 + eta) * batch_size + refill_groups, in prompt groups.
+
+    `refill_groups` are the trainer's replacements for groups it evicted (too stale), filtered
+    (no signal) or lost to infrastructure failures: without them the launched counter, which
+    never goes down for consumed groups, would stop rollout short of a full batch."""
 
     policy_step: int = 0
     batch_size: int = 8
     eta: float = 0.0
+    refill_groups: int = 0
 
     @property
     def max_launched(self) -> int:
-        return int((self.policy_step + 1 + self.eta) * self.batch_size)
+        return int((self.policy_step + 1 + self.eta) * self.batch_size) + self.refill_groups
 
 
 class EngineTimeout(Exception):
@@ -241,10 +246,14 @@ class RolloutWorker:
     def num_inflight_groups(self) -> int:
         return len(self._groups)
 
-    def update_policy_step(self, policy_step: int, batch_size: int | None = None) -> None:
+    def update_policy_step(
+        self, policy_step: int, batch_size: int | None = None, refill_groups: int | None = None
+    ) -> None:
         self.throttle.policy_step = policy_step
         if batch_size:
             self.throttle.batch_size = batch_size
+        if refill_groups is not None:
+            self.throttle.refill_groups = refill_groups
         self._wake.set()
 
     def start(self) -> None:

@@ -104,14 +104,16 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
     async def UpdatePolicyStep(
         self, request: rollout_pb2.UpdatePolicyStepRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdatePolicyStepResponse:
-        if request.policy_step < 0 or request.batch_size < 0:
+        if request.policy_step < 0 or request.batch_size < 0 or request.refill_groups < 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"policy_step and batch_size must be >= 0, got {request.policy_step}, "
-                f"{request.batch_size}",
+                f"policy_step, batch_size and refill_groups must be >= 0, got "
+                f"{request.policy_step}, {request.batch_size}, {request.refill_groups}",
             )
         for worker in self._workers:
-            worker.update_policy_step(request.policy_step, request.batch_size or None)
+            worker.update_policy_step(
+                request.policy_step, request.batch_size or None, request.refill_groups
+            )
         launched = sum(w.num_launched for w in self._workers)
         cap = self._workers[0].throttle.max_launched if self._workers else 0
         return rollout_pb2.UpdatePolicyStepResponse(

@@ -459,6 +459,14 @@ class TransferQueue:
                     trajectories[n].append(codec.decode_trajectory(partition, key, fields, data))
         return [GroupWithTrajectories(g, t) for g, t in zip(groups, trajectories, strict=True)]
 
+    def groups_exist(self, partition: str, uids: Sequence[str]) -> list[bool]:
+        """Whether each uid names a group in the partition (in any status)."""
+        prefix = self.key_prefix(codec.check_partition_name(partition))
+        pipe = self._redis.pipeline(transaction=False)
+        for uid in uids:
+            pipe.exists(f"{prefix}g:{codec.check_uid(uid)}")
+        return [bool(n) for n in self._pipeline_execute(pipe)]
+
     def get_trajectories(self, partition: str, keys: Sequence[str]) -> list[common_pb2.Trajectory]:
         """Reads trajectories by key; raises UnknownKeyError for a missing one."""
         codec.check_partition_name(partition)
@@ -516,6 +524,23 @@ class TransferQueue:
         for status, members in zip(statuses, self._pipeline_execute(pipe), strict=True):
             out[status] = dict(sorted(Counter(step - int(s) + 1 for _, s in members).items()))
         return out
+
+    def groups_issued_by(
+        self, partition: str, statuses: Iterable[GroupStatus], max_prompt_step: int
+    ) -> dict[GroupStatus, list[str]]:
+        """Uids of the groups in each status whose prompt_step is <= `max_prompt_step` (the
+        trainer's staleness gate: staleness > t at step s <=> prompt_step <= s - t)."""
+        codec.check_partition_name(partition)
+        statuses = list(statuses)
+        prefix = self.key_prefix(partition)
+        pipe = self._redis.pipeline(transaction=False)
+        for status in statuses:
+            pipe.zrangebyscore(f"{prefix}gs:{GroupStatus(status).value}", "-inf", max_prompt_step)
+        replies = self._pipeline_execute(pipe)
+        return {
+            GroupStatus(s): [u.decode() for u in uids]
+            for s, uids in zip(statuses, replies, strict=True)
+        }
 
     def reclaim_events(
         self,

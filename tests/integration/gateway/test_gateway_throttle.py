@@ -1,6 +1,7 @@
-"""The staleness throttle against a real TransferQueue: launched < (v + 1 + eta) * B holds for
-eta = 0, 1, 2 and opens by B groups per trainer step. The engine here is an in-process stand-in
-(this is the claim logic; the real-engine paths are in test_gateway_service.py)."""
+"""The staleness throttle against a real TransferQueue: launched < (v + 1 + eta) * B + refill
+holds for eta = 0, 1, 2, opens by B groups per trainer step and by the trainer's refill credit.
+The engine here is an in-process stand-in (this is the claim logic; the real-engine paths are
+in test_gateway_service.py)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,12 @@ def test_launches_stop_at_the_bound_and_open_by_b_per_step(
                 assert counts.num_launched == bound
                 assert counts.groups.get("finished", 0) == bound
                 assert counts.groups.get("pending", 0) == 12 - bound
+            # the trainer's refill credit (groups it evicted or filtered) opens the bound
+            worker.update_policy_step(2, refill_groups=1)
+            bound = (2 + 1 + eta) * B + 1
+            await wait_for(lambda b=bound: tq.counts(P).groups.get("finished", 0) == b)
+            await asyncio.sleep(0.5)
+            assert tq.counts(P).num_launched == bound
         finally:
             await worker.close()
             await pool.close()
