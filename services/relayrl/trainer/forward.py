@@ -1,0 +1,257 @@
+"""The two schedule entry points of the training loop, both through megatron's
+`get_forward_backward_func()`: log-probs of given tokens (forward only: old/ref policy) and a
+forward-backward pass with a caller-supplied loss (the policy update), plus the optimizer step.
+
+Gradient contract of `forward_backward` (the "global token denominator", 003 §3.2.4): after
+the call the model's main grads are d/dθ of the SUM of the loss contributions that `loss_fn`
+returned, over every micro-batch and every data-parallel rank. megatron would divide by the
+number of micro-batches and DDP would average over data-parallel ranks; the model built by
+`relayrl.trainer.model.build_model` turns both off (`calculate_per_token_loss`, with
+megatron's division by the loss functions' token count skipped in `finalize_model_grads`), so
+a loss_fn that divides by a token count computed over the whole global batch gets the right
+gradient whatever the micro-batch size and data-parallel size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# loss_fn(logp_bT, row_slice) -> (loss contribution, metrics)
+LossFn = Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Rows of token ids, each the prompt + response of one trajectory, right-padded with 0."""
+
+    input_ids_BT: torch.Tensor
+    """int64 [B, T] token ids; positions at or after a row's length are padding."""
+    lengths_B: torch.Tensor
+    """int64 [B] real length of each row, in [1, T]."""
+
+    def __post_init__(self) -> None:
+        ids, lengths = self.input_ids_BT, self.lengths_B
+        if ids.dim() != 2 or ids.dtype != torch.int64:
+            raise ValueError(f"input_ids_BT must be int64 [B, T], got {ids.dtype} {ids.shape}")
+        if lengths.shape != (ids.shape[0],) or lengths.dtype != torch.int64:
+            raise ValueError(
+                f"lengths_B must be int64 [{ids.shape[0]}], got {lengths.dtype} {lengths.shape}"
+            )
+        if ids.shape[0] and (lengths.min() < 1 or lengths.max() > ids.shape[1]):
+            raise ValueError(f"lengths_B must lie in [1, T={ids.shape[1]}]")
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids_BT.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids_BT.shape[1]
+
+    def token_mask_BT(self) -> torch.Tensor:
+        """bool [B, T]: True at the positions that have a log-prob (1 <= t < length)."""
+        t = torch.arange(self.seq_len)
+        return (t >= 1) & (t < self.lengths_B.unsqueeze(1))
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    rows: slice
+    input_ids_bt: torch.Tensor  # trimmed to the longest row of the micro-batch
+    lengths_b: torch.Tensor
+
+
+def _micro_batches(batch: TokenBatch, micro_batch_size: int) -> list[_MicroBatch]:
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size {micro_batch_size} must be >= 1")
+    out = []
+    for start in range(0, batch.num_rows, micro_batch_size):
+        rows = slice(start, min(start + micro_batch_size, batch.num_rows))
+        lengths = batch.lengths_B[rows]
+        # Causal attention: trailing padding changes nothing before it, so it is not computed.
+        width = int(lengths.max())
+        out.append(_MicroBatch(rows, batch.input_ids_BT[rows, :width].contiguous(), lengths))
+    return out
+
+
+def _causal_mask(seq_len: int) -> torch.Tensor:
+    # megatron's default causal mask is built on "cuda" by a cached helper; an explicit
+    # boolean mask (True = masked out) works on every device.
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _forward_step(
+    data_iterator: Iterator[_MicroBatch],
+    model: torch.nn.Module,
+    *,
+    seq_len: int,
+    temperature: float,
+    loss_fn: LossFn | None,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    micro = next(data_iterator)
+    device = _device(model)
+    ids = micro.input_ids_bt.to(device)
+    width = ids.shape[1]
+    position_ids = torch.arange(width, device=device).unsqueeze(0).expand_as(ids)
+    logits_btv = model(ids, position_ids, _causal_mask(width).to(device))
+    return logits_btv, partial(
+        _loss_func, micro=micro, seq_len=seq_len, temperature=temperature, loss_fn=loss_fn
+    )
+
+
+def token_logprobs(
+    logits_btv: torch.Tensor, input_ids_bt: torch.Tensor, lengths_b: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """float32 [b, seq_len]: log-prob of token t under the logits at t-1 for 1 <= t < length,
+    0 elsewhere. `logits_btv` is this rank's vocabulary shard (tensor parallel): megatron's
+    vocab-parallel cross entropy all-reduces the softmax over the TP group."""
+    from megatron.core import tensor_parallel
+
+    width = input_ids_bt.shape[1]
+    if width < 2:
+        return torch.zeros(input_ids_bt.shape[0], seq_len, device=logits_btv.device)
+    nll_bt = tensor_parallel.vocab_parallel_cross_entropy(
+        logits_btv[:, :-1].float().contiguous(), input_ids_bt[:, 1:].contiguous()
+    )
+    t = torch.arange(1, width, device=nll_bt.device)
+    valid_bt = t < lengths_b.to(nll_bt.device).unsqueeze(1)
+    logp_bt = torch.where(valid_bt, -nll_bt, torch.zeros_like(nll_bt))
+    # Position 0 has no log-prob; positions past this micro-batch's width are padding.
+    return F.pad(logp_bt, (1, seq_len - width))
+
+
+def _loss_func(
+    logits_btv: torch.Tensor,
+    *,
+    micro: _MicroBatch,
+    seq_len: int,
+    temperature: float,
+    loss_fn: LossFn | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    if temperature != 1.0:
+        logits_btv = logits_btv / temperature
+    logp_bt = token_logprobs(logits_btv, micro.input_ids_bt, micro.lengths_b, seq_len)
+    num_tokens = (micro.lengths_b - 1).clamp(min=0).sum().to(torch.int)
+    if loss_fn is None:
+        # forward only: the "loss" is unused; the log-probs travel in the data store.
+        return logp_bt.sum() * 0.0, num_tokens, {"rows": micro.rows, "logp": logp_bt}
+    loss, metrics = loss_fn(logp_bt, micro.rows)
+    if loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+    # A 3-tuple with calculate_per_token_loss: megatron neither divides by the number of
+    # micro-batches nor by num_tokens (see the module docstring).
+    return loss, num_tokens, metrics
+
+
+def _run_schedule(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    loss_fn: LossFn | None,
+) -> list[Any]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not temperature > 0:
+        raise ValueError(f"temperature {temperature} must be positive")
+    config = model.config if hasattr(model, "config") else None
+    if config is None or not getattr(config, "calculate_per_token_loss", False):
+        raise ValueError(
+            "the model must come from relayrl.trainer.model.build_model "
+            "(calculate_per_token_loss keeps the gradient a plain sum)"
+        )
+    micro_batches = _micro_batches(batch, micro_batch_size)
+    if not micro_batches:
+        return []
+    forward_backward_func = get_forward_backward_func()
+    return forward_backward_func(
+        forward_step_func=partial(
+            _forward_step, seq_len=batch.seq_len, temperature=temperature, loss_fn=loss_fn
+        ),
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=batch.seq_len,
+        micro_batch_size=micro_batch_size,
+        forward_only=loss_fn is None,
+    )
+
+
+def forward_logprobs(
+    model: torch.nn.Module, batch: TokenBatch, *, micro_batch_size: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """float32 [B, T]: `logp[b, t] = log softmax(logits[b, t-1] / temperature)[ids[b, t]]` for
+    1 <= t < lengths[b], 0 elsewhere; forward only, no gradients. Under tensor parallelism
+    every TP rank passes the same batch and gets the same result; under data parallelism each
+    rank passes its own rows and gets theirs."""
+    if batch.num_rows == 0:
+        return torch.zeros(0, batch.seq_len)
+    with torch.no_grad():
+        store = _run_schedule(
+            model, batch, micro_batch_size=micro_batch_size, temperature=temperature, loss_fn=None
+        )
+    logp_BT = torch.zeros(batch.num_rows, batch.seq_len)
+    for item in store:
+        logp_BT[item["rows"]] = item["logp"].float().cpu()
+    return logp_BT
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    batch: TokenBatch,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    loss_fn: LossFn,
+) -> list[dict[str, float]]:
+    """One forward-backward pass over `batch` in micro-batches of `micro_batch_size` rows.
+
+    `loss_fn(logp_bT, row_slice)` is called once per micro-batch with the log-probs (float32,
+    with gradient, [rows, T] laid out as in `forward_logprobs`) of `batch`'s rows
+    `row_slice`, and returns `(loss contribution: scalar tensor, metrics)`.
+
+    Zeroes the model's gradient buffers (and drops `param.grad`) first, so the caller need
+    not: megatron's data-parallel reduction runs inside each call, so gradients cannot be
+    accumulated across calls (put every micro-batch of an optimizer step into one call).
+    Afterwards `param.main_grad` holds d/dθ of the sum of all loss contributions over
+    micro-batches and data-parallel ranks (module docstring); `optimizer_step` applies it.
+    Returns each micro-batch's metrics, in order.
+    """
+    model.zero_grad_buffer()
+    # megatron's optimizers point `param.grad` at `param.main_grad` for their step; left in
+    # place, autograd would accumulate into that alias and DDP's hook would add it to
+    # main_grad a second time (gradients doubled, tied embeddings worse).
+    for param in model.parameters():
+        param.grad = None
+    if batch.num_rows == 0:
+        raise ValueError("forward_backward needs at least one row on every rank")
+    return _run_schedule(
+        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, loss_fn=loss_fn
+    )
+
+
+def optimizer_step(optimizer: Any) -> tuple[bool, float]:
+    """Clip, step and report: (update applied, global gradient L2 norm before clipping).
+
+    An update is skipped (False) only when fp16 loss scaling finds inf/nan; the norm is
+    computed even when clipping is off. Collective over the model-parallel and (distributed
+    optimizer) data-parallel groups.
+    """
+    success, grad_norm, _num_zeros = optimizer.step()
+    if grad_norm is None:
+        grad_norm = optimizer.get_grad_norm() if success else math.nan
+    # Drop the `param.grad = param.main_grad` aliases the step created (see forward_backward).
+    optimizer.zero_grad()
+    return bool(success), float(grad_norm)
