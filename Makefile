@@ -17,7 +17,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration lint bench bench-tq bench-reward bench-reward-load bench-gateway run lock clean
+.PHONY: help setup protos contract test test-unit test-integration lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -58,7 +58,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services tests bench
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -71,6 +71,9 @@ bench-reward-load: setup ## rule rewards at a fixed offered load: gRPC ScoreStre
 
 bench-gateway: setup ## rollouts through the real gateway vs straight to the vLLM engine (tokens/s)
 	$(BIN)/python bench/gateway_bench.py
+
+bench-trainer: setup ## trainer steps fed from a real TransferQueue: time per phase, overhead
+	$(BIN)/python bench/trainer_bench.py
 
 run: setup ## set up and run the main job on the embedded default
 	$(BIN)/relayrl up

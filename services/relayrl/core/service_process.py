@@ -9,6 +9,7 @@ Used by the integration tests, the benchmarks and the local supervisor; stdlib a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,7 +39,11 @@ def console_script(name: str) -> str:
 
 class ServiceProcess:
     """One service process. `workdir` holds its config, ready file and log (a temporary
-    directory, removed by `stop()`, when not given)."""
+    directory, removed by `stop()`, when not given).
+
+    The process leads its own process group, so that `kill()` (a crash) also takes the helper
+    processes a service starts and would otherwise leave behind (the trainer's checkpoint
+    writers, its local ranks), and `stop()` removes any that outlive a graceful exit."""
 
     def __init__(
         self,
@@ -84,7 +89,12 @@ class ServiceProcess:
         ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
         while not self.ready_file.exists():
@@ -111,10 +121,17 @@ class ServiceProcess:
         return self.process.wait(timeout_s)  # type: ignore[union-attr]
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would; idempotent."""
+        """SIGKILL to the process and its group, as a crash of the machine would; idempotent."""
         if self.alive():
             os.kill(self.pid, signal.SIGKILL)
             self.process.wait(30)  # type: ignore[union-attr]
+        self._kill_group()
+
+    def _kill_group(self) -> None:
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # nothing left
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`; idempotent. Removes a temporary workdir."""
@@ -123,6 +140,7 @@ class ServiceProcess:
                 self.terminate(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._kill_group()
         if self._owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

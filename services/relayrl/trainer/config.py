@@ -1,14 +1,250 @@
-"""Configuration of relayrl-trainer."""
+"""Configuration of relayrl-trainer.
+
+One `TrainerConfig` describes a training job: the model and its parallel layout, the optimiser,
+the algorithm (mode, batch sizes, off-policy correction, loss), where prompts come from, the
+staleness gate, checkpoints and where new weights go. Cross-field rules that would otherwise
+surface hours into a run (train_batch not divisible, a mode that cannot honour eta) are checked
+here, at start, with one line that says what to change.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Annotated, Literal
 
-from relayrl.core.config import ServiceConfig
+from pydantic import Field, model_validator
+
+from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel
 from relayrl.tq.config import TQConfig
+from relayrl.trainer.advantages import AdvantageSettings
+from relayrl.trainer.losses import LossSettings
+
+MODES = ("sync", "colocate_async", "separate_async")
+
+
+class ModelSettings(StrictModel):
+    """The policy: an HF folder (Qwen2/Llama architecture) and its megatron layout."""
+
+    hf_dir: Path = Field(
+        Path("models/tiny"),
+        description="Hugging Face folder (config.json, model.safetensors, tokenizer) the policy "
+        "starts from; `relayrl model init` makes the tiny default.",
+    )
+    tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel size.")
+    data_parallel: int = Field(
+        1, ge=1, le=4096, description="Data-parallel size; world size = tensor x data parallel."
+    )
+    params_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter dtype (bfloat16 needs hardware that has it)."
+    )
+    seed: int = Field(0, ge=0, description="Seed of every RNG the trainer owns.")
+    max_seq_len: int = Field(
+        2048,
+        ge=8,
+        le=1 << 20,
+        description="Longest prompt+response row trained on; longer trajectories are "
+        "truncated (their cut tokens masked out), counted in a metric.",
+    )
+
+
+class OptimizerSettings(StrictModel):
+    """Adam through megatron's optimizer (distributed optimizer selectable)."""
+
+    lr: float = Field(1e-5, gt=0, le=1.0, description="Peak learning rate.")
+    min_lr: float = Field(0.0, ge=0, description="Floor of the schedule.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Decay after warm-up, over every local update of the run."
+    )
+    warmup_updates: int = Field(0, ge=0, description="Linear warm-up, in optimizer updates.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    clip_grad: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
+    use_distributed_optimizer: bool = Field(
+        False, description="Shard optimizer state across data-parallel ranks (ZeRO-1)."
+    )
+
+    @model_validator(mode="after")
+    def _floor_below_peak(self) -> OptimizerSettings:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr ({self.min_lr}) must be <= optim.lr ({self.lr})")
+        return self
+
+
+class StalenessSettings(StrictModel):
+    """The replay-buffer gate (003 §7.2): staleness = step - prompt_step + 1."""
+
+    policy: Literal["drop", "wait"] = Field(
+        "drop",
+        description="drop: evict finished groups whose staleness is > threshold (and refill); "
+        "wait: block sampling while an in-flight group's staleness is >= threshold.",
+    )
+    threshold: int | None = Field(
+        None,
+        ge=1,
+        description="Staleness bound; null takes the mode's bound (1 for sync, 2 for "
+        "colocate_async, eta + parameter_sync_step for separate_async).",
+    )
+
+
+class AlgorithmSettings(StrictModel):
+    """What one step does, and how steps relate to rollout."""
+
+    mode: Literal["sync", "colocate_async", "separate_async"] = Field(
+        "sync",
+        description="sync: rollout and training alternate on one version; colocate_async: "
+        "they share devices with staleness <= 1; separate_async: separate devices, eta "
+        "versions of look-ahead and parameter_sync_step local updates per version.",
+    )
+    eta: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Versions rollout may run ahead of training (the gateway's throttle: "
+        "launched < (v + 1 + eta) * train_batch_groups).",
+    )
+    parameter_sync_step: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Local optimizer updates per published version (k); pi_old is held at "
+        "the step's starting weights for all k.",
+    )
+    train_batch_groups: int = Field(
+        8, ge=1, description="Prompt groups trained on per step (= k x mini_batch_groups)."
+    )
+    mini_batch_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt groups per optimizer update; null: train_batch_groups / k.",
+    )
+    micro_batch_size: int = Field(
+        4, ge=1, description="Rows (trajectories) per forward/backward micro-batch per rank."
+    )
+    old_logprobs: Literal["recompute", "bypass"] = Field(
+        "recompute",
+        description="recompute: pi_old by a forward-only pass on the step's weights; bypass: "
+        "use the rollout log-probs as pi_old (then mismatch metrics are not reported: they "
+        "would compare mu with itself, 003 §7.1.1).",
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature of the rollout; log-probs use it."
+    )
+    dapo_filter: bool = Field(
+        True, description="Skip groups without signal (no/one valid member, zero reward std)."
+    )
+    advantage: AdvantageSettings = Field(default_factory=AdvantageSettings)
+    loss: LossSettings = Field(default_factory=LossSettings)
+    staleness: StalenessSettings = Field(default_factory=StalenessSettings)
+
+    @model_validator(mode="after")
+    def _batches(self) -> AlgorithmSettings:
+        k = self.parameter_sync_step
+        mini = self.mini_batch_groups or self.train_batch_groups // k
+        if mini * k != self.train_batch_groups:
+            raise ValueError(
+                f"train_batch_groups ({self.train_batch_groups}) must equal "
+                f"parameter_sync_step ({k}) x mini_batch_groups ({self.mini_batch_groups or mini})"
+                " — pick a train_batch_groups divisible by parameter_sync_step"
+            )
+        self.mini_batch_groups = mini
+        return self
+
+    @property
+    def staleness_threshold(self) -> int:
+        return self.staleness.threshold or default_staleness_bound(
+            self.mode, self.eta, self.parameter_sync_step
+        )
+
+
+def default_staleness_bound(mode: str, eta: int, k: int) -> int:
+    """The largest staleness the mode produces when nothing goes wrong."""
+    return {"sync": 1, "colocate_async": 2}.get(mode, eta + k)
+
+
+class PromptDataSettings(StrictModel):
+    """Where the trainer's prompt feeder takes prompt groups from."""
+
+    prompts_file: Path | None = Field(
+        None,
+        description="JSONL of prompts ({prompt | messages, ground_truth, data_source, agent?, "
+        "labels?}); null: someone else feeds the partition and the trainer only consumes.",
+    )
+    partition: str = Field("train", min_length=1, description="TransferQueue partition.")
+    samples_per_prompt: int = Field(4, ge=1, le=1024, description="Trajectories per group.")
+    shuffle_seed: int = Field(0, ge=0, description="Order of prompts in every epoch.")
+    run_id: str = Field(
+        "run",
+        pattern=r"^[A-Za-z0-9.-]{1,40}$",
+        description="Prefix of group uids, so resumed feeding reuses (never duplicates) uids.",
+    )
+    max_tokens: int = Field(64, ge=1, description="Response budget per trajectory.")
+    sampling_temperature: float | None = Field(
+        None, gt=0, description="Rollout temperature; null: algorithm.temperature."
+    )
+    agent: str = Field("", description="Agent loop for prompts that name none (gateway default).")
+    poll_interval_s: float = Field(
+        0.2, gt=0, le=60, description="How often to look for scored groups while waiting."
+    )
+    wait_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A step that has waited this long for scored groups fails with a clear "
+        "error (rollout or reward stalled) instead of hanging.",
+    )
+
+
+class CheckpointSettings(StrictModel):
+    """dist_checkpointing snapshots: model, optimizer, RNG, data and TransferQueue cursors."""
+
+    dir: Path | None = Field(None, description="Root folder; null disables checkpoints.")
+    interval_steps: int = Field(1, ge=1, description="Save after every this many steps.")
+    keep: int = Field(2, ge=1, description="Snapshots kept (oldest deleted first).")
+    resume: bool = Field(True, description="Continue from the latest snapshot in dir.")
+
+
+class NoPublishSettings(StrictModel):
+    """New weights stay in the trainer (tests, offline runs)."""
+
+    type: Literal["none"] = "none"
+
+
+class HfDirPublishSettings(StrictModel):
+    """Each published version is written as an HF folder `<dir>/v<version>` (engines or
+    weight-sync can load it from a shared volume)."""
+
+    type: Literal["hf_dir"]
+    dir: Path = Field(description="Folder that receives one HF folder per version.")
+    keep: int = Field(2, ge=1, description="Versions kept on disk.")
+
+
+PublishSettings = Annotated[NoPublishSettings | HfDirPublishSettings, Field(discriminator="type")]
 
 
 class TrainerConfig(ServiceConfig):
     """trainer: samples scored groups from the TransferQueue and trains the policy."""
 
     tq: TQConfig = Field(default_factory=TQConfig, description="The TransferQueue (Redis).")
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    optim: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    data: PromptDataSettings = Field(default_factory=PromptDataSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    publish: PublishSettings = Field(default_factory=NoPublishSettings)
+    gateway: GrpcClientConfig | None = Field(
+        None,
+        description="The rollout-gateway: told the policy step after every published "
+        "version, so its throttle lets rollout run ahead by eta.",
+    )
+    total_steps: int = Field(100, ge=0, description="Steps (published versions) to train.")
+    metrics_log: Path | None = Field(
+        None, description="JSONL file that receives every step's metrics."
+    )
+
+    @model_validator(mode="after")
+    def _mode_rules(self) -> TrainerConfig:
+        from relayrl.trainer.modes import mode_for  # the table of modes checks its own rules
+
+        mode_for(self.algorithm.mode).check(self)
+        return self

@@ -56,7 +56,7 @@ def test_service_config_mistakes_are_one_line(prog: str, tmp_path: Path) -> None
     assert_one_line_error(missing, prog, "nope.yaml")
 
 
-@pytest.mark.parametrize("prog", ["relayrl-trainer", "relayrl-weightsync"])
+@pytest.mark.parametrize("prog", ["relayrl-weightsync"])
 def test_unbuilt_service_says_so(prog: str) -> None:
     assert_one_line_error(run(prog), prog, "not available yet")
 

@@ -1,0 +1,411 @@
+"""The training loop: one step after another, on every rank, with rank 0 as the leader.
+
+Rank 0 owns everything outside the model: the TransferQueue (feeding prompts, the staleness
+gate, consumption), the gateway link, metrics and the control state the gRPC service changes.
+It broadcasts each step's batch (or a stop) to the other ranks; then every rank runs the same
+update, publish and checkpoint, which are collective.
+
+Exactly-once across crashes rests on three facts: the TransferQueue marks the groups a step
+takes as consumed at that step (idempotently: a restarted step gets the same groups back), a
+checkpoint records the next step together with the model, optimizer and RNG, and on resume the
+groups consumed after the checkpoint go back to scored. A trainer killed at any point therefore
+neither loses a group nor trains one twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from relayrl.tq import TransferQueue
+from relayrl.tq.model import GroupWithTrajectories
+from relayrl.trainer.advantages import GroupRewards, dapo_filter
+from relayrl.trainer.batch import ScoredGroup, is_valid, scored_groups
+from relayrl.trainer.config import TrainerConfig
+from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, load_prompts
+from relayrl.trainer.metrics import StepMetrics, TrainerMetrics
+from relayrl.trainer.modes import TrainerMode, mode_for
+from relayrl.trainer.publish import WeightPublisher, build_publisher
+from relayrl.trainer.replay import ReplaySampler, SamplingStopped, Verdict
+from relayrl.trainer.rollout_link import GatewayLink
+from relayrl.trainer.step import DataParallel, PolicyUpdater, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    TRAINING = "training"
+    WAITING = "waiting"
+    PAUSED = "paused"
+    CHECKPOINTING = "checkpointing"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass
+class Control:
+    """What the gRPC service (another thread) asks of the loop; read by the leader between
+    steps."""
+
+    paused: bool = False
+    stop: bool = False
+    checkpoint_now: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    wake: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Status:
+    state: State = State.STARTING
+    step: int = 0
+    published_version: int = 0
+    last_checkpoint_step: int = -1
+    staleness_histogram: dict[int, int] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+
+def build_scheduler(config: TrainerConfig, optimizer: Any) -> Any:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim = config.optim
+    total_updates = max(1, config.total_steps * config.algorithm.parameter_sync_step)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=optim.lr if optim.warmup_updates == 0 else 0.0,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr if optim.schedule != "constant" else optim.lr,
+        lr_warmup_steps=min(optim.warmup_updates, total_updates - 1),
+        lr_decay_steps=total_updates,
+        lr_decay_style=optim.schedule,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=total_updates,
+        wd_incr_style="constant",
+    )
+
+
+class Leader:
+    """Rank 0's side of a step: feed, gate, consume; then metrics and the gateway."""
+
+    def __init__(self, config: TrainerConfig, tq: TransferQueue, mode: TrainerMode) -> None:
+        self.config = config
+        self.tq = tq
+        self.mode = mode
+        data, algorithm = config.data, config.algorithm
+        self.partition = data.partition
+        self.feeder: PromptFeeder | None = None
+        if data.prompts_file is not None:
+            template = GroupTemplate(
+                partition=data.partition,
+                run_id=data.run_id,
+                samples_per_prompt=data.samples_per_prompt,
+                max_tokens=data.max_tokens,
+                temperature=data.sampling_temperature or algorithm.temperature,
+                default_agent=data.agent,
+            )
+            self.feeder = PromptFeeder(
+                tq, load_prompts(data.prompts_file), template, data.shuffle_seed
+            )
+        self.sampler = ReplaySampler(
+            tq,
+            data.partition,
+            policy=algorithm.staleness.policy,
+            threshold=algorithm.staleness_threshold,
+            poll_interval_s=data.poll_interval_s,
+            wait_timeout_s=data.wait_timeout_s,
+        )
+        self.refill_groups = 0
+        self.gateway = GatewayLink(config.gateway) if config.gateway is not None else None
+
+    def resume(self, step: int, num_issued: int, refill_groups: int) -> None:
+        self.refill_groups = refill_groups
+        if step > 0:
+            returned = self.tq.reset_consumption(self.partition, after_step=step - 1)
+            if returned:
+                logger.info("resume at step %d: %d groups back to scored", step, len(returned))
+        if self.feeder is not None:
+            self.feeder.num_issued = num_issued
+            skipped = self.feeder.skip_existing()
+            if skipped:
+                logger.info("resume: %d groups were issued after the checkpoint", skipped)
+
+    def feed(self, step: int) -> None:
+        algorithm = self.config.algorithm
+        if self.feeder is not None:
+            target = self.mode.groups_to_issue(step, algorithm.train_batch_groups, algorithm.eta)
+            self.feeder.issue_up_to(target + self.refill_groups, step)
+        if self.gateway is not None:
+            self.gateway.update_policy_step(step, algorithm.train_batch_groups, self.refill_groups)
+
+    def _refill(self, count: int) -> None:
+        self.refill_groups += count
+
+    def judge(self, group: GroupWithTrajectories) -> Verdict:
+        valid = [is_valid(t) for t in group.trajectories]
+        if not self.config.algorithm.dapo_filter:
+            return "keep" if any(valid) else "no_valid"
+        rewards = GroupRewards(
+            group.group.uid,
+            [t.reward.score for t in group.trajectories],
+            [not v for v in valid],
+        )
+        result = dapo_filter([rewards])
+        if result.kept:
+            return "keep"
+        return "no_valid" if result.failed else "no_signal"
+
+    def sample(
+        self, step: int, stop: Callable[[], bool]
+    ) -> tuple[list[ScoredGroup], StepMetrics, float]:
+        sample = self.sampler.sample(
+            step, self.config.algorithm.train_batch_groups, self.judge, self._refill, stop
+        )
+        groups = scored_groups(sample.kept, step, self.config.model.max_seq_len)
+        metrics = StepMetrics(step=step)
+        metrics.groups = {"keep": len(sample.kept), **sample.rejected}
+        if sample.num_evicted:
+            metrics.groups["evicted"] = sample.num_evicted
+        metrics.staleness = [step - g.prompt_step + 1 for g in groups]
+        metrics.launched_lengths = [r.response_len for g in groups for r in g.rows]
+        return groups, metrics, sample.waited_s
+
+
+class TrainingLoop:
+    """Runs on every rank. `leader` is None on ranks other than 0."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        spec: Any,
+        ref_model: Any = None,
+        leader: Leader | None = None,
+        metrics: TrainerMetrics | None = None,
+        publisher: WeightPublisher | None = None,
+        control: Control | None = None,
+        status: Status | None = None,
+        data_parallel: DataParallel | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.spec = spec
+        self.leader = leader
+        self.metrics = metrics
+        self.mode: TrainerMode = mode_for(config.algorithm.mode)
+        self.publisher = publisher or build_publisher(config.publish, config.model.hf_dir)
+        self.control = control or Control()
+        self.status = status or Status()
+        self.updater = PolicyUpdater(
+            config.algorithm,
+            model,
+            optimizer,
+            scheduler,
+            ref_model=ref_model,
+            data_parallel=data_parallel or DataParallel(),
+        )
+        self.step = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader is not None
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Loads the latest checkpoint (if any) on every rank; the leader then rewinds the
+        TransferQueue and the feeder to it."""
+        from relayrl.trainer.checkpointing import latest_checkpoint, load_checkpoint
+
+        settings = self.config.checkpoint
+        common: dict[str, Any] = {}
+        if settings.dir is not None and settings.resume:
+            path = latest_checkpoint(settings.dir)
+            if path is not None:
+                common = load_checkpoint(path, self.model, self.optimizer)
+                self.scheduler.load_state_dict(common["scheduler"])
+                self.status.last_checkpoint_step = common["step"] - 1
+                logger.info("resumed from %s (next step %d)", path, common["step"])
+        self.step = int(common.get("step", 0))
+        self.status.step = self.step
+        self.status.published_version = self.step
+        if self.leader is not None:
+            self.leader.resume(
+                self.step, int(common.get("num_issued", 0)), int(common.get("refill_groups", 0))
+            )
+
+    def save(self) -> None:
+        from relayrl.trainer.checkpointing import save_checkpoint
+
+        settings = self.config.checkpoint
+        if settings.dir is None:
+            return
+        previous = self.status.state
+        self.status.state = State.CHECKPOINTING
+        leader = self.leader
+        # The leader's cursors are the ones that count; every rank's RNG states are saved by
+        # save_checkpoint itself.
+        common = self._broadcast(
+            {
+                "step": self.step,
+                "num_issued": leader.feeder.num_issued if leader and leader.feeder else 0,
+                "refill_groups": leader.refill_groups if leader else 0,
+                "scheduler": self.scheduler.state_dict(),
+            }
+        )
+        save_checkpoint(settings.dir / f"step-{self.step:08d}", self.model, self.optimizer, common)
+        if self.is_leader:
+            _prune_checkpoints(settings.dir, settings.keep)
+        self.status.last_checkpoint_step = self.step - 1
+        self.status.state = previous
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _next_batch(self) -> tuple[list[ScoredGroup] | None, StepMetrics | None, float]:
+        """Leader: waits out a pause, then feeds and samples; None means stop."""
+        assert self.leader is not None
+        control = self.control
+        while control.paused and not control.stop:
+            self.status.state = State.PAUSED
+            control.wake.wait(0.5)
+            control.wake.clear()
+        if control.stop or self.step >= self.config.total_steps:
+            return None, None, 0.0
+        self.status.state = State.WAITING
+        self.leader.feed(self.step)
+        try:
+            return self.leader.sample(self.step, lambda: control.stop)
+        except SamplingStopped:
+            return None, None, 0.0
+
+    def _broadcast(self, payload: Any) -> Any:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return payload
+        holder = [payload]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def run(self) -> None:
+        """Trains until total_steps, or until the leader is told to stop."""
+        while True:
+            step_start = time.perf_counter()
+            if self.is_leader:
+                groups, metrics, waited = self._next_batch()
+                payload = None if groups is None else (groups, metrics, waited)
+            else:
+                payload = None
+            payload = self._broadcast(payload)
+            if payload is None:
+                break
+            groups, metrics, waited = payload
+            self._train_step(groups, metrics, waited, step_start)
+        self.status.state = State.STOPPED
+
+    def _train_step(
+        self, groups: list[ScoredGroup], metrics: StepMetrics, waited_s: float, start: float
+    ) -> None:
+        self.status.state = State.TRAINING
+        rollout = self.leader.gateway if self.leader else None
+        self.mode.before_update(rollout)
+        try:
+            result = self.updater.run(groups)
+            publish_start = time.perf_counter()
+            published = self.publisher.publish(self.step + 1, self.model, self.spec)
+            result.phases_s["publish"] = time.perf_counter() - publish_start
+        finally:
+            self.mode.after_publish(rollout)
+        self.step += 1
+        self.status.step = self.step
+        self.status.published_version = self.step
+        result.values.update(published)
+        result.phases_s["wait"] = waited_s
+        if self.leader is not None:
+            self._report(groups, metrics, result, start)
+            if self.step < self.config.total_steps:  # rollout of the next step may start now
+                self.leader.feed(self.step)
+        checkpoint_now = self._broadcast(self.control.checkpoint_now if self.is_leader else None)
+        if checkpoint_now or self.step % self.config.checkpoint.interval_steps == 0:
+            self.save()
+            self.control.checkpoint_now = False
+
+    def _report(
+        self, groups: list[ScoredGroup], metrics: StepMetrics, result: StepResult, start: float
+    ) -> None:
+        rows = [r for g in groups for r in g.rows if r.valid]
+        rewards = [r.reward for r in rows]
+        values = metrics.values
+        values.update(result.values)
+        duration = time.perf_counter() - start
+        values["reward_mean"] = float(np.mean(rewards)) if rewards else 0.0
+        values["reward_std"] = float(np.std(rewards)) if rewards else 0.0
+        values["staleness_mean"] = float(np.mean(metrics.staleness)) if metrics.staleness else 0.0
+        values["staleness_max"] = float(max(metrics.staleness, default=0))
+        values["step_duration_s"] = duration
+        values["wait_duration_s"] = result.phases_s.get("wait", 0.0)
+        train_s = duration - values["wait_duration_s"]
+        values["tokens_per_s"] = values.get("trained_tokens", 0.0) / max(train_s, 1e-9)
+        metrics.trained_lengths = [int(r.mask.sum()) for r in rows]
+        values["trained_response_len_mean"] = (
+            float(np.mean(metrics.trained_lengths)) if rows else 0.0
+        )
+        values["launched_response_len_mean"] = (
+            float(np.mean(metrics.launched_lengths)) if metrics.launched_lengths else 0.0
+        )
+        metrics.uids = [g.uid for g in groups]
+        self.status.metrics = {k: v for k, v in values.items() if isinstance(v, float)}
+        self.status.staleness_histogram = (
+            dict(zip(*np.unique(metrics.staleness, return_counts=True), strict=True))
+            if metrics.staleness
+            else {}
+        )
+        if self.metrics is not None:
+            self.metrics.published_version.set(self.step)
+            self.metrics.observe(metrics, result.phases_s)
+        logger.info(
+            "step %d: reward %.3f, %d groups, staleness max %d, %.1fs",
+            metrics.step,
+            values["reward_mean"],
+            len(groups),
+            values["staleness_max"],
+            duration,
+        )
+
+
+def _prune_checkpoints(root: Any, keep: int) -> None:
+    import shutil
+
+    snapshots = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in snapshots[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def data_parallel_from_megatron() -> DataParallel:
+    from megatron.core import parallel_state
+
+    return DataParallel(
+        rank=parallel_state.get_data_parallel_rank(),
+        size=parallel_state.get_data_parallel_world_size(),
+        group=parallel_state.get_data_parallel_group(),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,162 @@
+"""The trainer's per-step metrics: Prometheus series and a JSONL log.
+
+Every step produces one flat dict of scalars (`StepMetrics.values`) plus histograms (staleness
+of the trained groups, lengths of trained vs launched trajectories). The same record goes to
+the JSONL log and to Prometheus, so a dashboard and an offline analysis never disagree.
+Scalar gauges carry one bounded label, `metric`, naming an entry of `GAUGE_METRICS`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from relayrl.core.metrics import metric_name
+
+SERVICE = "trainer"
+STALENESS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
+LENGTH_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+# The per-step scalars exported as relayrl_trainer_step_value{metric=...}; anything else in a
+# step's record goes only to the JSONL log (keeps the label set bounded and documented).
+GAUGE_METRICS = (
+    "reward_mean",
+    "reward_std",
+    "loss",
+    "grad_norm",
+    "lr",
+    "kl",
+    "k3_kl",
+    "ppl_ratio",
+    "log_ppl_diff",
+    "chi2_token",
+    "chi2_seq",
+    "is_ess",
+    "is_frac_capped",
+    "abs_log_ratio_mean",
+    "abs_log_ratio_p99",
+    "abs_log_ratio_max",
+    "rs_rejected_token_frac",
+    "pg_clipfrac",
+    "pg_approx_kl",
+    "ref_kl",
+    "staleness_mean",
+    "staleness_max",
+    "tokens_per_s",
+    "step_duration_s",
+    "wait_duration_s",
+    "trained_response_len_mean",
+    "launched_response_len_mean",
+)
+
+
+def _name(quantity: str, unit: str) -> str:
+    return metric_name(SERVICE, quantity, unit)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    values: dict[str, float] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)  # one entry per trained group
+    trained_lengths: list[int] = field(default_factory=list)  # response tokens per row
+    launched_lengths: list[int] = field(default_factory=list)  # every consumed trajectory
+    groups: dict[str, int] = field(default_factory=dict)  # kept / stale / no_signal / ...
+    uids: list[str] = field(default_factory=list)  # the groups trained at this step
+
+    def record(self) -> dict[str, object]:
+        histogram: dict[int, int] = {}
+        for s in self.staleness:
+            histogram[s] = histogram.get(s, 0) + 1
+        return {
+            "step": self.step,
+            **{k: v for k, v in self.values.items() if math.isfinite(v)},
+            "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
+            "groups": self.groups,
+            "uids": self.uids,
+        }
+
+
+class TrainerMetrics:
+    def __init__(self, registry: CollectorRegistry, log_path: Path | None = None) -> None:
+        self.step = Gauge(_name("completed", "steps"), "Steps completed.", registry=registry)
+        self.published_version = Gauge(
+            _name("published_policy", "version"),
+            "Policy version last published to rollout.",
+            registry=registry,
+        )
+        self.value = Gauge(
+            _name("step", "value"),
+            "Per-step scalars of the last step (see relayrl.trainer.metrics.GAUGE_METRICS).",
+            ["metric"],
+            registry=registry,
+        )
+        self.staleness = Histogram(
+            _name("trained_staleness", "steps"),
+            "Staleness (step - prompt_step + 1) of every trained group.",
+            registry=registry,
+            buckets=STALENESS_BUCKETS,
+        )
+        self.trained_length = Histogram(
+            _name("trained_response_length", "tokens"),
+            "Response length of trained trajectories.",
+            registry=registry,
+            buckets=LENGTH_BUCKETS,
+        )
+        self.launched_length = Histogram(
+            _name("launched_response_length", "tokens"),
+            "Response length of every consumed trajectory (trained or not).",
+            registry=registry,
+            buckets=LENGTH_BUCKETS,
+        )
+        self.groups = Counter(
+            _name("groups", "total"),
+            "Consumed or evicted groups by verdict (keep, stale, no_signal, no_valid, evicted).",
+            ["verdict"],
+            registry=registry,
+        )
+        self.trained_tokens = Counter(
+            _name("trained_tokens", "total"), "Response tokens trained on.", registry=registry
+        )
+        self.phase_duration = Gauge(
+            _name("phase_duration", "seconds"),
+            "Duration of each phase of the last step (wait, old_logprobs, update, publish...).",
+            ["phase"],
+            registry=registry,
+        )
+        self._log: IO[str] | None = None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = log_path.open("a", encoding="utf-8")
+
+    def observe(self, metrics: StepMetrics, phases_s: dict[str, float]) -> None:
+        self.step.set(metrics.step)
+        for name in GAUGE_METRICS:
+            value = metrics.values.get(name)
+            if value is not None and math.isfinite(value):
+                self.value.labels(name).set(value)
+        for s in metrics.staleness:
+            self.staleness.observe(s)
+        for n in metrics.trained_lengths:
+            self.trained_length.observe(n)
+        for n in metrics.launched_lengths:
+            self.launched_length.observe(n)
+        for verdict, n in metrics.groups.items():
+            self.groups.labels(verdict).inc(n)
+        self.trained_tokens.inc(metrics.values.get("trained_tokens", 0))
+        for phase, seconds in phases_s.items():
+            self.phase_duration.labels(phase).set(seconds)
+        if self._log is not None:
+            record = metrics.record() | {"phases_s": phases_s}
+            self._log.write(json.dumps(record, sort_keys=True) + "\n")
+            self._log.flush()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -1,0 +1,167 @@
+"""Sampling one step's prompt groups from the TransferQueue, with the staleness gate (003 §7.2).
+
+staleness(group, step) = step - prompt_step + 1 (data issued at this step has staleness 1).
+
+- `drop`: before consuming, finished and scored groups with staleness > threshold are evicted
+  (-> dropped) and refilled;
+- `wait`: sampling blocks while any in-flight (pending or running) group has staleness >=
+  threshold, so that it finishes and is trained on instead of growing staler.
+
+Count-based throttling bounds the mean staleness, not the max (001 §13.3), so the bound is also
+enforced at consumption: a group that became scored between eviction and consumption above the
+threshold is consumed (the TransferQueue records that this step took it) but not trained on.
+
+Consumption is the TransferQueue's `consume(step, n)`, which is idempotent per step: a trainer
+that crashed mid-step and restarts the same step gets the same groups back, topped up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from relayrl.tq import TransferQueue
+from relayrl.tq.model import GroupStatus, GroupWithTrajectories
+
+# A group is kept, or rejected for one of these reasons; `credit` is how many new prompts the
+# feeder issues for it (003 §7.2.1 refills evictions one for one; §7.3 refills DAPO).
+Verdict = str  # "keep" | "stale" | "no_signal" | "no_valid"
+
+
+class StepTimeout(RuntimeError):
+    """No (or too few) scored groups within the wait timeout: rollout or reward stalled."""
+
+
+class SamplingStopped(Exception):
+    """The trainer was asked to stop while it waited for data. The groups this step already
+    consumed go back to scored when the next run restores the last checkpoint."""
+
+
+@dataclass
+class Sample:
+    kept: list[GroupWithTrajectories]
+    rejected: Counter[str] = field(default_factory=Counter)
+    num_consumed: int = 0
+    num_evicted: int = 0
+    waited_s: float = 0.0
+    blocked_s: float = 0.0
+
+
+class ReplaySampler:
+    def __init__(
+        self,
+        tq: TransferQueue,
+        partition: str,
+        *,
+        policy: str,
+        threshold: int,
+        poll_interval_s: float,
+        wait_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if policy not in ("drop", "wait"):
+            raise ValueError(f"unknown staleness policy {policy!r}; known: drop, wait")
+        self._tq = tq
+        self._partition = partition
+        self._policy = policy
+        self._threshold = threshold
+        self._poll_interval_s = poll_interval_s
+        self._wait_timeout_s = wait_timeout_s
+        self._clock = clock
+        self._sleep = sleep
+
+    def staleness(self, prompt_step: int, step: int) -> int:
+        return step - prompt_step + 1
+
+    def evict_stale(self, step: int) -> list[str]:
+        """drop: finished/scored groups with staleness > threshold -> dropped."""
+        stale = self._tq.groups_issued_by(
+            self._partition,
+            (GroupStatus.FINISHED, GroupStatus.SCORED),
+            max_prompt_step=step - self._threshold,
+        )
+        uids = [u for uids in stale.values() for u in uids]
+        if uids:
+            self._tq.drop_groups(self._partition, uids, f"stale at step {step}")
+        return uids
+
+    def blocked(self, step: int) -> bool:
+        """wait: an in-flight group has staleness >= threshold."""
+        inflight = self._tq.groups_issued_by(
+            self._partition,
+            (GroupStatus.PENDING, GroupStatus.RUNNING),
+            max_prompt_step=step + 1 - self._threshold,
+        )
+        return any(inflight.values())
+
+    def sample(
+        self,
+        step: int,
+        num_groups: int,
+        judge: Callable[[GroupWithTrajectories], Verdict],
+        refill: Callable[[int], None],
+        stop: Callable[[], bool] = lambda: False,
+    ) -> Sample:
+        """Consumes groups at `step` until `num_groups` of them are kept by `judge` (after the
+        staleness bound). `refill(n)` asks the feeder for n more prompts: 1 per evicted or
+        failed group, 2 per group without signal (DAPO's refill credit)."""
+        out = Sample(kept=[])
+        seen: set[str] = set()
+        start = self._clock()
+        while True:
+            if stop():
+                raise SamplingStopped(f"stopped while sampling step {step}")
+            if self._policy == "wait" and self.blocked(step):
+                self._check_deadline(step, start, out, "an in-flight group to finish")
+                out.blocked_s += self._poll_interval_s
+                self._sleep(self._poll_interval_s)
+                continue
+            if self._policy == "drop":
+                evicted = self.evict_stale(step)
+                if evicted:
+                    out.num_evicted += len(evicted)
+                    refill(len(evicted))
+            need = num_groups - len(out.kept)
+            if need <= 0:
+                break
+            uids = self._tq.consume(self._partition, step, len(seen) + need)
+            fresh = [u for u in uids if u not in seen]
+            if not fresh:
+                self._check_deadline(step, start, out, f"{need} more scored groups")
+                self._sleep(self._poll_interval_s)
+                continue
+            seen.update(fresh)
+            out.num_consumed += len(fresh)
+            for group in self._tq.get_groups(self._partition, fresh):
+                verdict = self._verdict(group, step, judge)
+                if verdict == "keep":
+                    out.kept.append(group)
+                else:
+                    out.rejected[verdict] += 1
+                    refill(2 if verdict == "no_signal" else 1)
+        out.waited_s = self._clock() - start
+        return out
+
+    def _verdict(
+        self,
+        group: GroupWithTrajectories,
+        step: int,
+        judge: Callable[[GroupWithTrajectories], Verdict],
+    ) -> Verdict:
+        if self._policy == "drop" and (
+            self.staleness(group.group.tags.prompt_step, step) > self._threshold
+        ):
+            return "stale"
+        return judge(group)
+
+    def _check_deadline(self, step: int, start: float, out: Sample, waiting_for: str) -> None:
+        waited = self._clock() - start
+        if waited > self._wait_timeout_s:
+            raise StepTimeout(
+                f"step {step}: waited {waited:.0f}s for {waiting_for} in partition "
+                f"{self._partition!r} ({len(out.kept)} kept, {out.num_consumed} consumed); "
+                "is rollout (gateway, engines) or the reward-service running?"
+            )

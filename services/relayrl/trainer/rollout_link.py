@@ -1,0 +1,64 @@
+"""The trainer's calls to the rollout-gateway: the policy step (the throttle's v) with the
+refill credit, and pause/resume for colocated modes. Synchronous, because the training loop
+runs in its own thread; every call has a deadline and UNAVAILABLE is retried (all three calls
+are idempotent: they set state, they do not add to it)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from relayrl.core.config import GrpcClientConfig
+from relayrl.core.grpc_client import channel_options
+from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayLink:
+    def __init__(self, config: GrpcClientConfig, *, attempts: int = 5) -> None:
+        self._config = config
+        self._attempts = attempts
+        self._channel = grpc.insecure_channel(
+            config.target,
+            options=channel_options(
+                max_message_bytes=config.max_message_bytes,
+                keepalive_time_s=config.keepalive_time_s,
+                keepalive_timeout_s=config.keepalive_timeout_s,
+            ),
+        )
+        self._stub = rollout_pb2_grpc.RolloutGatewayStub(self._channel)
+
+    def _call(self, method: str, request: object) -> object:
+        delay = 0.2
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return getattr(self._stub, method)(request, timeout=self._config.default_timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self._attempts:
+                    raise
+                logger.warning("gateway %s unavailable (%s); retrying", method, exc.details())
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def update_policy_step(self, policy_step: int, batch_size: int, refill_groups: int) -> None:
+        self._call(
+            "UpdatePolicyStep",
+            rollout_pb2.UpdatePolicyStepRequest(
+                policy_step=policy_step, batch_size=batch_size, refill_groups=refill_groups
+            ),
+        )
+
+    def pause(self) -> None:
+        self._call(
+            "PauseReplicas", rollout_pb2.PauseReplicasRequest(mode=rollout_pb2.PAUSE_MODE_KEEP)
+        )
+
+    def resume(self) -> None:
+        self._call("ResumeReplicas", rollout_pb2.ResumeReplicasRequest())
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,170 @@
+"""`relayrl-trainer sft`: supervised warm start on prompt/answer pairs, writing an HF folder.
+
+RL from a random policy never sees a reward; the warm start teaches the answer format so that
+GRPO has groups with signal from the first step. Prompts are rendered exactly as the gateway
+renders them for rollout (the tokenizer's chat template with the generation prompt), and the
+loss covers only the answer tokens plus the closing `<|im_end|>`.
+
+Data: JSONL, one `{"prompt": str | "messages": [...], "answer": str}` per line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class SftDataError(ValueError):
+    """A dataset line that cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class SftSettings:
+    model: Path
+    data: Path
+    out: Path
+    epochs: int = 1
+    lr: float = 1e-3
+    batch_size: int = 16
+    micro_batch_size: int = 8
+    max_seq_len: int = 512
+    seed: int = 0
+    tensor_parallel: int = 1
+
+
+@dataclass
+class SftExample:
+    input_ids: np.ndarray
+    mask: np.ndarray  # 1 on answer tokens (the positions whose log-prob is trained)
+
+
+def load_examples(settings: SftSettings, tokenizer) -> list[SftExample]:
+    from relayrl.gateway.agents import prompt_token_ids, turn_end_token_ids
+    from relayrl.proto.common.v1 import common_pb2
+
+    end = list(turn_end_token_ids(tokenizer))
+    examples = []
+    try:
+        lines = settings.data.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise SftDataError(f"{settings.data}: cannot read ({exc.strerror})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{settings.data}:{number}"
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SftDataError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("answer"), str):
+            raise SftDataError(f"{where}: needs a string `answer` and a `prompt` or `messages`")
+        if isinstance(raw.get("prompt"), str):
+            messages = [common_pb2.ChatMessage(role="user", content=raw["prompt"])]
+        elif isinstance(raw.get("messages"), list):
+            messages = [
+                common_pb2.ChatMessage(role=str(m.get("role")), content=str(m.get("content")))
+                for m in raw["messages"]
+            ]
+        else:
+            raise SftDataError(f"{where}: needs a `prompt` string or a `messages` list")
+        group = common_pb2.PromptGroup(uid="sft", messages=messages)
+        prompt = prompt_token_ids(group, tokenizer, tools=None)
+        answer = list(tokenizer.encode(raw["answer"], add_special_tokens=False)) + end
+        ids = np.asarray(prompt + answer, dtype=np.int64)[: settings.max_seq_len]
+        mask = np.zeros(len(ids), dtype=np.float32)
+        mask[len(prompt) :] = 1.0
+        if not mask.any():
+            raise SftDataError(
+                f"{where}: the prompt alone fills max_seq_len {settings.max_seq_len}"
+            )
+        examples.append(SftExample(ids, mask))
+    if not examples:
+        raise SftDataError(f"{settings.data}: no examples")
+    return examples
+
+
+def _collate(examples: list[SftExample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = max(len(e.input_ids) for e in examples)
+    ids = torch.zeros(len(examples), T, dtype=torch.int64)
+    lengths = torch.zeros(len(examples), dtype=torch.int64)
+    mask = torch.zeros(len(examples), T)
+    for b, e in enumerate(examples):
+        ids[b, : len(e.input_ids)] = torch.from_numpy(e.input_ids)
+        lengths[b] = len(e.input_ids)
+        mask[b, : len(e.mask)] = torch.from_numpy(e.mask)
+    return ids, lengths, mask
+
+
+def _nll_loss(mask_BT: torch.Tensor, num_tokens: float, sums: list[float]):
+    """Mean negative log-likelihood of the answer tokens, over the whole batch."""
+
+    def loss_fn(logp_bT: torch.Tensor, rows: slice) -> tuple[torch.Tensor, dict[str, float]]:
+        nll = -(logp_bT * mask_BT[rows]).sum()
+        sums.append(float(nll.detach()))
+        return nll / num_tokens, {}
+
+    return loss_fn
+
+
+def run_sft(settings: SftSettings) -> dict[str, float]:
+    """Trains and writes `settings.out`; returns the first and last epoch's mean loss."""
+    from transformers import AutoTokenizer
+
+    from relayrl.trainer.forward import TokenBatch, forward_backward, optimizer_step
+    from relayrl.trainer.hf_mapping import ModelSpec
+    from relayrl.trainer.model import (
+        OptimizerSettings,
+        build_model,
+        build_optimizer,
+        init_parallel,
+        load_hf_dir,
+        save_hf_dir,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    examples = load_examples(settings, tokenizer)
+    init_parallel(settings.tensor_parallel, settings.seed)
+    spec = ModelSpec.from_hf_dir(settings.model)
+    model = build_model(spec)
+    load_hf_dir(model, settings.model)
+    optimizer = build_optimizer(model, OptimizerSettings(lr=settings.lr, clip_grad=1.0))
+    rng = random.Random(settings.seed)
+    epoch_losses = []
+    start = time.perf_counter()
+    for epoch in range(settings.epochs):
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        losses = []
+        for first in range(0, len(order), settings.batch_size):
+            batch = [examples[i] for i in order[first : first + settings.batch_size]]
+            ids, lengths, mask = _collate(batch)
+            nll_sums: list[float] = []
+            forward_backward(
+                model,
+                TokenBatch(ids, lengths),
+                micro_batch_size=settings.micro_batch_size,
+                temperature=1.0,
+                loss_fn=_nll_loss(mask, float(mask.sum()), nll_sums),
+            )
+            optimizer_step(optimizer)
+            losses.append(sum(nll_sums) / float(mask.sum()))
+        epoch_losses.append(float(np.mean(losses)))
+        logger.info("sft epoch %d: loss %.4f", epoch + 1, epoch_losses[-1])
+    save_hf_dir(model, spec, settings.out, tokenizer_from=settings.model)
+    return {
+        "first_epoch_loss": epoch_losses[0],
+        "last_epoch_loss": epoch_losses[-1],
+        "examples": float(len(examples)),
+        "duration_s": time.perf_counter() - start,
+        "perplexity": math.exp(min(epoch_losses[-1], 50.0)),
+    }

@@ -1,0 +1,187 @@
+"""The trainer's side of the TransferQueue against a real redis-server: the staleness gate
+(drop: staleness > threshold evicted; wait: blocked while in flight >= threshold), DAPO
+verdicts and refill credit, idempotent consumption per step, and the prompt feeder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from trainer_tq import claim, put_group, scored_group
+
+from relayrl.tq import TransferQueue
+from relayrl.tq.model import GroupStatus
+from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, PromptFileError, load_prompts
+from relayrl.trainer.replay import ReplaySampler, StepTimeout
+
+
+def keep_all(group) -> str:
+    return "keep"
+
+
+def sampler(tq: TransferQueue, policy: str = "drop", threshold: int = 2, **kw) -> ReplaySampler:
+    clock = iter(range(1_000_000))  # a fake clock: every reading is one second later
+    return ReplaySampler(
+        tq,
+        "train",
+        policy=policy,
+        threshold=threshold,
+        poll_interval_s=0.0,
+        wait_timeout_s=kw.pop("wait_timeout_s", 30.0),
+        clock=lambda: float(next(clock)),
+        sleep=lambda s: None,
+    )
+
+
+def status_of(tq: TransferQueue, uid: str) -> int:
+    return tq.get_groups("train", [uid], with_trajectories=False)[0].group.tags.status
+
+
+def test_drop_evicts_strictly_above_the_threshold(tq: TransferQueue) -> None:
+    # at step 3 with threshold 2: prompt_step 1 -> staleness 3 (> 2, dropped);
+    # prompt_step 2 -> staleness 2 (kept: drop uses >, not >=)
+    scored_group(tq, "old", [1.0, 0.0], prompt_step=1)
+    scored_group(tq, "edge", [1.0, 0.0], prompt_step=2)
+    refills: list[int] = []
+    sample = sampler(tq, "drop", 2).sample(3, 1, keep_all, refills.append)
+    assert [g.group.uid for g in sample.kept] == ["edge"]
+    assert sample.num_evicted == 1 and refills == [1]
+    from relayrl.proto.common.v1 import common_pb2
+
+    assert status_of(tq, "old") == common_pb2.GROUP_STATUS_DROPPED
+    assert status_of(tq, "edge") == common_pb2.GROUP_STATUS_CONSUMED
+
+
+def test_staleness_is_step_minus_prompt_step_plus_one(tq: TransferQueue) -> None:
+    s = sampler(tq)
+    assert s.staleness(prompt_step=5, step=5) == 1  # issued and trained at one step
+    assert s.staleness(prompt_step=3, step=5) == 3
+
+
+def test_wait_blocks_while_an_inflight_group_reaches_the_threshold(tq: TransferQueue) -> None:
+    scored_group(tq, "ready", [1.0, 0.0], prompt_step=2)
+    put_group(tq, "slow", n=2, prompt_step=1)  # pending; at step 2, threshold 2: staleness 2
+    s = sampler(tq, "wait", 2, wait_timeout_s=5)
+    assert s.blocked(2)  # >= threshold: blocks (wait uses >=, not >)
+    assert not s.blocked(1)  # staleness 1 < 2
+    with pytest.raises(StepTimeout, match="in-flight group"):
+        s.sample(2, 1, keep_all, lambda n: None)
+    # nothing was consumed or dropped while blocked
+    from relayrl.proto.common.v1 import common_pb2
+
+    assert status_of(tq, "ready") == common_pb2.GROUP_STATUS_SCORED
+    assert status_of(tq, "slow") == common_pb2.GROUP_STATUS_PENDING
+
+
+def test_wait_takes_the_group_once_it_finished(tq: TransferQueue) -> None:
+    scored_group(tq, "late", [1.0, 0.0], prompt_step=0)
+    # staleness 3 at step 2: under `wait` nothing is evicted, the old group is trained
+    sample = sampler(tq, "wait", 2).sample(2, 1, keep_all, lambda n: None)
+    assert [g.group.uid for g in sample.kept] == ["late"]
+
+
+def test_running_groups_are_never_evicted(tq: TransferQueue) -> None:
+    put_group(tq, "inflight", n=2, prompt_step=0)
+    claim(tq, "inflight")
+    assert sampler(tq, "drop", 1).evict_stale(5) == []
+    assert tq.counts("train").groups[GroupStatus.RUNNING] == 1
+
+
+def test_dapo_verdicts_and_refill_credit(tq: TransferQueue) -> None:
+    from relayrl.trainer.advantages import GroupRewards, dapo_filter
+
+    scored_group(tq, "flat", [1.0, 1.0])  # zero std: no signal -> credit 2
+    scored_group(tq, "allinfra", [None, None])  # no valid member -> credit 1
+    scored_group(tq, "good", [1.0, 0.0])
+
+    def judge(group) -> str:
+        rewards = GroupRewards(
+            group.group.uid,
+            [t.reward.score for t in group.trajectories],
+            [t.tags.is_infra for t in group.trajectories],
+        )
+        result = dapo_filter([rewards])
+        return "keep" if result.kept else ("no_valid" if result.failed else "no_signal")
+
+    refills: list[int] = []
+    sample = sampler(tq).sample(0, 1, judge, refills.append)
+    assert [g.group.uid for g in sample.kept] == ["good"]
+    assert dict(sample.rejected) == {"no_signal": 1, "no_valid": 1}
+    assert sorted(refills) == [1, 2] and sample.num_consumed == 3
+
+
+def test_a_retried_step_gets_the_same_groups(tq: TransferQueue) -> None:
+    for i in range(4):
+        scored_group(tq, f"g{i}", [1.0, 0.0])
+    first = sampler(tq).sample(0, 2, keep_all, lambda n: None)
+    again = sampler(tq).sample(0, 2, keep_all, lambda n: None)
+    assert [g.group.uid for g in again.kept] == [g.group.uid for g in first.kept]
+    # after a restore to before step 0, the groups are scored again and can be retaken
+    assert sorted(tq.reset_consumption("train", after_step=0)) == []
+    nxt = sampler(tq).sample(1, 2, keep_all, lambda n: None)
+    assert {g.group.uid for g in nxt.kept}.isdisjoint(g.group.uid for g in first.kept)
+
+
+def test_waiting_for_data_ends_with_a_clear_error(tq: TransferQueue) -> None:
+    with pytest.raises(StepTimeout, match=r"is rollout .* running"):
+        sampler(tq, wait_timeout_s=3).sample(0, 1, keep_all, lambda n: None)
+
+
+# -- the prompt feeder -----------------------------------------------------------------------
+
+
+def prompts_file(tmp_path: Path, n: int = 5) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        json.dumps({"prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": "arith"})
+        for i in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def feeder(tq: TransferQueue, tmp_path: Path, num_issued: int = 0) -> PromptFeeder:
+    template = GroupTemplate("train", "run1", 2, 16, 1.0, "")
+    return PromptFeeder(
+        tq, load_prompts(prompts_file(tmp_path)), template, seed=7, num_issued=num_issued
+    )
+
+
+def test_feeder_issues_in_a_seeded_order_and_covers_every_prompt(tq, tmp_path) -> None:
+    f = feeder(tq, tmp_path)
+    assert f.issue_up_to(5, step=0) == 5
+    groups = tq.get_groups("train", [f.uid(n) for n in range(5)], with_trajectories=False)
+    truths = sorted(int(g.group.ground_truth) for g in groups)
+    assert truths == [1, 2, 3, 4, 5]  # one epoch = every prompt once
+    assert f.issue_up_to(5, step=0) == 0  # already there: nothing new
+    other = feeder(tq, tmp_path)
+    assert [other.group(n, 0).ground_truth for n in range(5)] == [
+        g.group.ground_truth for g in groups
+    ]
+
+
+def test_feeder_resume_skips_groups_issued_after_the_checkpoint(tq, tmp_path) -> None:
+    f = feeder(tq, tmp_path)
+    f.issue_up_to(3, step=0)
+    resumed = feeder(tq, tmp_path, num_issued=1)  # the checkpoint saw only one
+    assert resumed.skip_existing() == 2
+    assert resumed.issue_up_to(4, step=1) == 1  # uid run1-000000003, at the new step
+    assert tq.counts("train").groups[GroupStatus.PENDING] == 4
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("not json", ":1: not JSON"),
+        ('{"prompt": "x", "messages": []}', "exactly one of"),
+        ('{"prompt": ""}', "non-empty"),
+        ('{"prompt": "x", "answer": "1"}', "unknown keys"),
+        ('{"messages": [{"role": "user"}]}', "role` and `content"),
+    ],
+)
+def test_bad_prompt_files_name_the_line(tmp_path: Path, line: str, match: str) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(PromptFileError, match=match):
+        load_prompts(path)

@@ -1,0 +1,104 @@
+"""`relayrl-trainer sft`: the warm start, as a real process on the tiny model. The written
+folder is checked with `transformers` (independent of megatron): the answers' likelihood under
+the chat template the gateway renders went up."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from relayrl.core.service_process import console_script
+
+pytestmark = pytest.mark.slow
+
+
+def pairs(n: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        out.append({"prompt": f"{a}+{b}=", "answer": f"The answer is {a + b}."})
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sft(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [console_script("relayrl-trainer"), "sft", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def answer_nll(model_dir: Path, rows: list[dict[str, str]]) -> float:
+    """Mean negative log-likelihood per answer token, with transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    total, count = 0.0, 0
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        p = tokenizer.encode(prompt, add_special_tokens=False)
+        a = [
+            *tokenizer.encode(row["answer"], add_special_tokens=False),
+            tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        ]
+        ids = torch.tensor([p + a])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1)
+        targets = ids[0, 1:]
+        token_logp = logp[torch.arange(len(targets)), targets][len(p) - 1 :]
+        total -= float(token_logp.sum())
+        count += len(a)
+    return total / count
+
+
+def test_sft_writes_a_model_that_fits_the_answers_better(model_dir: Path, tmp_path: Path) -> None:
+    train = pairs(96, seed=1)
+    held_out = pairs(32, seed=2)
+    out = tmp_path / "warm"
+    done = sft(
+        "--model", str(model_dir), "--data", str(write_jsonl(tmp_path / "d.jsonl", train)),
+        "--out", str(out), "--epochs", "4", "--lr", "3e-3", "--batch-size", "16",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["last_epoch_loss"] < report["first_epoch_loss"]
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    before, after = answer_nll(model_dir, held_out), answer_nll(out, held_out)
+    assert after < before - 1.0, (before, after)  # nats per token, on prompts never trained
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ('{"prompt": "1+1="}', "needs a string `answer`"),
+        ("[1, 2]", "needs a string `answer`"),
+        ("nope", ":1: not JSON"),
+    ],
+)
+def test_sft_bad_data_is_one_line(model_dir: Path, tmp_path: Path, line: str, match: str) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text(line + "\n")
+    done = sft("--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o"))
+    assert done.returncode == 2
+    assert match in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_sft_refuses_to_overwrite(model_dir: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", pairs(4, 0))
+    done = sft("--model", str(model_dir), "--data", str(data), "--out", str(model_dir))
+    assert done.returncode == 2 and "exists" in done.stderr
