@@ -32,6 +32,28 @@ class RelayrlWorkerExtension:
     def _relayrl_model(self) -> torch.nn.Module:
         return self.model_runner.model  # type: ignore[attr-defined]
 
+    def _relayrl_reload(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.model_runner.reload_weights(  # type: ignore[attr-defined]
+            weights_iterator=tensors, is_checkpoint_format=True
+        )
+        self._relayrl_refresh_cpu_embedding_gemm()
+
+    def _relayrl_refresh_cpu_embedding_gemm(self) -> None:
+        """On CPU, vLLM gives every embedding used as an output layer (the tied lm_head) a
+        GEMM handler prepacked from its weight, and keeps the weight itself; reloading writes
+        the new weight in place but leaves the handler on the old one, so logits would come
+        from the previous version's embedding. Rebuild those handlers from the new weights."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        for module in self._relayrl_model().modules():
+            if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
     def relayrl_weight_info(self, request_json: str = "{}") -> dict[str, Any]:
         """Parameter count, per-parameter digests (vLLM's own names, which may fuse the HF
         names: qkv_proj, gate_up_proj) and one digest over them all in name order."""
@@ -72,10 +94,25 @@ class RelayrlWorkerExtension:
                         yield name, handle.get_tensor(name)
 
         names = [name for name, _ in tensors()] if not wanted else sorted(wanted)
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=tensors(), is_checkpoint_format=True
-        )
+        self._relayrl_reload(tensors())
         return {"loaded": names}
+
+    def relayrl_receive(self, request_json: str) -> dict[str, Any]:
+        """Receive a weight-sync version and load it in place: {"transport": "grpc",
+        "target", "transfer_id", "plan_digest", "timeout_s"}. Buckets stream straight into
+        the reload path (see `relayrl_load_tensors` for why reload, not load); returns the
+        loaded buckets' sha256 in plan order, which the coordinator compares with what the
+        senders pushed. The weight-sync receiver (and gRPC with it) is imported only here,
+        when a version arrives."""
+        from relayrl.weightsync.receiver import receive_tensors
+
+        request = json.loads(request_json)
+        if request.get("transport", "grpc") != "grpc":
+            raise ValueError(f"unknown weight-sync transport {request.get('transport')!r}")
+        stats: dict[str, Any] = {}
+        dtype = next(self._relayrl_model().parameters()).dtype
+        self._relayrl_reload(receive_tensors(request, stats, dtype=dtype))
+        return stats
 
     def relayrl_ping(self, request_json: str = "{}") -> dict[str, Any]:
         """Liveness of the extension itself (it is loaded, and this worker answers)."""

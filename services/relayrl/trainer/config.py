@@ -219,7 +219,26 @@ class HfDirPublishSettings(StrictModel):
     keep: int = Field(2, ge=1, description="Versions kept on disk.")
 
 
-PublishSettings = Annotated[NoPublishSettings | HfDirPublishSettings, Field(discriminator="type")]
+class WeightSyncPublishSettings(StrictModel):
+    """Each version goes to the weight-sync service, which switches every engine to it."""
+
+    type: Literal["weightsync"]
+    target: str = Field(min_length=1, description="gRPC target of relayrl-weightsync.")
+    quantization: Literal["none", "fp8_per_tensor", "fp8_block_128"] = Field(
+        "none", description="On the wire: bf16 (none) or FP8 e4m3 with scales."
+    )
+    wait_for_commit: bool = Field(
+        True,
+        description="Block the step until every live replica holds the version (needed for "
+        "sync mode; async modes may overlap the switch with the next step).",
+    )
+    timeout_s: float = Field(600.0, gt=0, description="Deadline for publish and commit.")
+
+
+PublishSettings = Annotated[
+    NoPublishSettings | HfDirPublishSettings | WeightSyncPublishSettings,
+    Field(discriminator="type"),
+]
 
 
 class TrainerConfig(ServiceConfig):

@@ -14,7 +14,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from relayrl.trainer.config import HfDirPublishSettings, NoPublishSettings
+from relayrl.trainer.config import (
+    HfDirPublishSettings,
+    NoPublishSettings,
+    WeightSyncPublishSettings,
+)
 
 
 class WeightPublisher(ABC):
@@ -67,13 +71,52 @@ class HfDirPublisher(WeightPublisher):
                 shutil.rmtree(self.path(old), ignore_errors=True)
 
 
+class WeightSyncPublisher(WeightPublisher):
+    """Every rank exports the full (TP-gathered) HF tensors and pushes its share of the
+    buckets to relayrl-weightsync; with wait_for_commit the step ends once every live replica
+    holds the version."""
+
+    def __init__(self, settings: WeightSyncPublishSettings, hf_dir: Path) -> None:
+        self._settings = settings
+        self._sender: Any = None
+
+    def _connect(self) -> Any:
+        if self._sender is None:
+            from relayrl.weightsync.sender import WeightSyncSender
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            self._sender = WeightSyncSender(
+                self._settings.target,
+                rank=rank,
+                world_size=world,
+                quantization=self._settings.quantization,
+                timeout_s=self._settings.timeout_s,
+            )
+        return self._sender
+
+    def publish(self, version: int, model: Any, spec: Any) -> dict[str, float]:
+        from relayrl.trainer.hf_mapping import export_hf_tensors
+
+        sender = self._connect()
+        result = sender.publish(version, version, list(export_hf_tensors(model, spec)))
+        if self._settings.wait_for_commit:
+            sender.wait_committed(result.transfer_id, self._settings.timeout_s)
+        return {
+            "publish_bytes": float(result.bytes_total),
+            "publish_sent_bytes": float(result.bytes_sent),
+            **{f"publish_{k}_s": v for k, v in result.seconds.items()},
+        }
+
+
 PUBLISHERS: dict[str, type[WeightPublisher]] = {
     "none": NoPublisher,
     "hf_dir": HfDirPublisher,
+    "weightsync": WeightSyncPublisher,
 }
 
 
 def build_publisher(
-    settings: NoPublishSettings | HfDirPublishSettings, hf_dir: Path
+    settings: NoPublishSettings | HfDirPublishSettings | WeightSyncPublishSettings, hf_dir: Path
 ) -> WeightPublisher:
     return PUBLISHERS[settings.type](settings, hf_dir)  # type: ignore[arg-type]

@@ -6,6 +6,5 @@ main = service_command(
     "relayrl-weightsync",
     description="weight-sync: streams each new policy version into every engine.",
     config="relayrl.weightsync.config:WeightSyncConfig",
-    serve=None,
-    unavailable_reason="the weight-sync service lands with issue #6",
+    serve="relayrl.weightsync.server:serve",
 )

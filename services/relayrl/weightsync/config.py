@@ -2,8 +2,75 @@
 
 from __future__ import annotations
 
-from relayrl.core.config import ServiceConfig
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from relayrl.core.config import MIB, GrpcClientConfig, ServiceConfig, StrictModel
+
+
+class EnginesSettings(StrictModel):
+    """The engine replicas a version goes to."""
+
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Engine base URLs (http://host:port), each a replica named by its URL; "
+        "replicas can also register over gRPC (RegisterEngine) or come from the gateway.",
+    )
+    load_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline for one replica to receive and load a version."
+    )
+    attempts: int = Field(
+        2,
+        ge=1,
+        le=10,
+        description="Tries per replica and version; a replica that fails them all is taken "
+        "out of routing (the version still commits on the others).",
+    )
 
 
 class WeightSyncConfig(ServiceConfig):
     """weight-sync: plans and coordinates moving each new policy version into every engine."""
+
+    bucket_size_bytes: int = Field(
+        64 * MIB,
+        ge=4096,
+        le=4096 * MIB,
+        description="Size of one transfer bucket; a receiver holds at most two beyond the model.",
+    )
+    chunk_size_bytes: int = Field(
+        4 * MIB,
+        ge=1024,
+        le=64 * MIB,
+        description="gRPC message size of one bucket chunk (under grpc.max_message_bytes).",
+    )
+    advertise_target: str | None = Field(
+        None,
+        description="gRPC target at which engines reach this service to pull buckets; null: "
+        "grpc.host and the bound port (fine on one machine; set the Service DNS name in a pod).",
+    )
+    engines: EnginesSettings = Field(default_factory=EnginesSettings)
+    gateway: GrpcClientConfig | None = Field(
+        None,
+        description="The rollout-gateway: paused for the switch, resumed at the new version, "
+        "told to drain a replica that cannot load. Null: engines are driven directly.",
+    )
+    pause_mode: Literal["abort", "keep", "wait"] = Field(
+        "keep",
+        description="How in-flight generations meet a switch: keep (frozen, continued on the "
+        "new weights), abort (re-submitted by the gateway), wait (finish first).",
+    )
+    transfer_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A transfer whose buckets have not all arrived by then fails (no hang).",
+    )
+
+    @model_validator(mode="after")
+    def _chunks_fit(self) -> WeightSyncConfig:
+        if self.chunk_size_bytes + 64 * 1024 > self.grpc.max_message_bytes:
+            raise ValueError(
+                f"chunk_size_bytes ({self.chunk_size_bytes}) must leave room under "
+                f"grpc.max_message_bytes ({self.grpc.max_message_bytes})"
+            )
+        return self

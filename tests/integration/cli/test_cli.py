@@ -56,11 +56,6 @@ def test_service_config_mistakes_are_one_line(prog: str, tmp_path: Path) -> None
     assert_one_line_error(missing, prog, "nope.yaml")
 
 
-@pytest.mark.parametrize("prog", ["relayrl-weightsync"])
-def test_unbuilt_service_says_so(prog: str) -> None:
-    assert_one_line_error(run(prog), prog, "not available yet")
-
-
 def test_up_says_it_is_not_available_yet() -> None:
     assert_one_line_error(run("relayrl", "up"), "relayrl up", "not yet available")
 

@@ -1,0 +1,203 @@
+"""The sending end of a version, inside every trainer rank.
+
+Boundary 1 (export): the trainer's HF-named tensors are cast to bf16, or quantised to FP8 e4m3
+with scales (2-D linear weights only; the scale is listed before its weight so a receiver
+never waits for it). Every rank exports the same full tensors (TP-gathered) and calls
+`publish`; the service gives all of them one plan, and each rank pushes only its share of the
+buckets (bucket i from rank i % world_size), packing the next bucket while the current one is
+on the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.weightsync.plan import DoubleBufferedPacker, plan_digest
+from relayrl.weightsync.receiver import layouts_from_plan
+
+Quantization = Literal["none", "fp8_per_tensor", "fp8_block_128"]
+
+_DTYPES = {
+    torch.float32: common_pb2.DTYPE_FLOAT32,
+    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
+    torch.float16: common_pb2.DTYPE_FLOAT16,
+    torch.float8_e4m3fn: common_pb2.DTYPE_FLOAT8_E4M3,
+}
+_QUANT = {
+    "fp8_per_tensor": ("per_tensor", common_pb2.QUANTIZATION_FP8_PER_TENSOR),
+    "fp8_block_128": ("block_128", common_pb2.QUANTIZATION_FP8_BLOCK_128),
+}
+
+
+class PublishError(RuntimeError):
+    """A version could not be published or committed; the message names the boundary."""
+
+
+@dataclass
+class SendResult:
+    transfer_id: str
+    version: int
+    num_buckets_sent: int = 0
+    bytes_sent: int = 0
+    bytes_total: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def export_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], quantization: Quantization
+) -> tuple[dict[str, torch.Tensor], list[common_pb2.TensorMeta]]:
+    """Boundary 1: the tensors as they go on the wire, and their manifest."""
+    from relayrl.weightsync.quant import quantize_fp8, scale_name, should_quantize
+
+    out: dict[str, torch.Tensor] = {}
+    metas: list[common_pb2.TensorMeta] = []
+
+    def add(name: str, t: torch.Tensor, quant: int, scale: str = "") -> None:
+        t = t.detach().to("cpu").contiguous()
+        out[name] = t
+        metas.append(
+            common_pb2.TensorMeta(
+                name=name,
+                shape=list(t.shape),
+                dtype=_DTYPES[t.dtype],
+                quantization=quant,
+                scale_name=scale,
+            )
+        )
+
+    for name, tensor in tensors:
+        if quantization != "none" and should_quantize(name, tensor):
+            mode, quant = _QUANT[quantization]
+            q, scale = quantize_fp8(tensor, mode)
+            add(scale_name(name, mode), scale.float(), common_pb2.QUANTIZATION_NONE)
+            add(name, q, quant, scale_name(name, mode))
+        else:
+            add(name, tensor.to(torch.bfloat16), common_pb2.QUANTIZATION_NONE)
+    return out, metas
+
+
+class WeightSyncSender:
+    def __init__(
+        self,
+        target: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        quantization: Quantization = "none",
+        timeout_s: float = 600.0,
+        chunk_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        import grpc
+
+        from relayrl.core.grpc_client import channel_options
+        from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self._rank, self._world_size = rank, world_size
+        self._quantization = quantization
+        self._timeout_s = timeout_s
+        self._chunk_bytes = chunk_bytes
+        self._channel = grpc.insecure_channel(
+            target, options=channel_options(max_message_bytes=256 * 1024 * 1024)
+        )
+        self._stub = weightsync_pb2_grpc.WeightSyncStub(self._channel)
+
+    def publish(
+        self, version: int, trainer_step: int, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> SendResult:
+        import grpc
+
+        from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+
+        clock = time.perf_counter()
+        wire, metas = export_tensors(tensors, self._quantization)
+        export_s = time.perf_counter() - clock
+        try:
+            plan = self._stub.Publish(
+                pb.PublishRequest(
+                    version=version,
+                    trainer_step=trainer_step,
+                    tensors=metas,
+                    transport=pb.TRANSPORT_TYPE_GRPC,
+                ),
+                timeout=self._timeout_s,
+            ).plan
+        except grpc.RpcError as exc:
+            raise PublishError(f"export: Publish of version {version}: {exc.details()}") from None
+        layouts = layouts_from_plan(plan)
+        result = SendResult(
+            plan.transfer_id, version, bytes_total=sum(b.size_bytes for b in layouts)
+        )
+        result.seconds["export"] = export_s
+        mine = [b.index for b in layouts if b.index % self._world_size == self._rank]
+        clock = time.perf_counter()
+        try:
+            response = self._stub.PushBuckets(
+                self._chunks(plan.transfer_id, layouts, wire, mine, result),
+                timeout=self._timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise PublishError(
+                f"transport: pushing {plan.transfer_id}: {exc.code().name}: {exc.details()}"
+            ) from None
+        result.seconds["push"] = time.perf_counter() - clock
+        result.num_buckets_sent, result.bytes_sent = response.num_buckets, response.num_bytes
+        return result
+
+    def _chunks(self, transfer_id, layouts, wire, mine, result) -> Iterator:
+        """This rank's buckets as chunks; the next bucket is packed while one is sent."""
+        from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+
+        own = [layouts[i] for i in mine]
+        size = max((b.size_bytes for b in own), default=1)
+        with DoubleBufferedPacker(own, wire, size) as packer:
+            for position, view, digest in packer:
+                index = own[position].index
+                data = view.numpy().tobytes()
+                packer.release(position)
+                for offset in range(0, max(len(data), 1), self._chunk_bytes):
+                    last = offset + self._chunk_bytes >= len(data)
+                    yield pb.BucketChunk(
+                        transfer_id=transfer_id,
+                        bucket_index=index,
+                        offset_bytes=offset,
+                        data=data[offset : offset + self._chunk_bytes],
+                        last=last,
+                        bucket_sha256=digest if last else "",
+                    )
+
+    def wait_committed(self, transfer_id: str, timeout_s: float | None = None) -> None:
+        """Blocks until the version is committed on every live replica; PublishError when the
+        transfer failed (the message names the boundary) or the deadline passed."""
+        from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+
+        deadline = time.monotonic() + (timeout_s or self._timeout_s)
+        while True:
+            plan = self._stub.GetBucketPlan(
+                pb.GetBucketPlanRequest(transfer_id=transfer_id), timeout=self._timeout_s
+            )
+            if plan.state == pb.TRANSFER_STATE_COMMITTED:
+                return
+            if plan.state == pb.TRANSFER_STATE_FAILED:
+                raise PublishError(f"{transfer_id} failed at {plan.error}")
+            if time.monotonic() > deadline:
+                raise PublishError(f"{transfer_id} was not committed in time")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+__all__ = ["PublishError", "SendResult", "WeightSyncSender", "export_tensors", "plan_digest"]

@@ -1,0 +1,141 @@
+"""relayrl-weightsync as a process: the coordinator behind the WeightSync gRPC service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from relayrl.core.grpc_server import GrpcService, build_service, write_ready_file
+from relayrl.core.logs import setup_logging
+from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+from relayrl.weightsync.config import WeightSyncConfig
+from relayrl.weightsync.coordinator import Coordinator
+from relayrl.weightsync.metrics import WeightSyncMetrics
+from relayrl.weightsync.servicer import WeightSyncServicer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_FULL_NAME = "relayrl.proto.weightsync.v1.WeightSync"
+
+
+class GatewayControl:
+    """The switch's calls to the rollout-gateway (pause, resume at a version, drain)."""
+
+    def __init__(self, config: Any) -> None:
+        from relayrl.core.grpc_client import channel_from_config
+        from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+        self._pb = rollout_pb2
+        self._channel = channel_from_config(config)
+        self._stub = rollout_pb2_grpc.RolloutGatewayStub(self._channel)
+
+    async def pause(self, mode: str) -> None:
+        modes = {
+            "abort": self._pb.PAUSE_MODE_ABORT,
+            "keep": self._pb.PAUSE_MODE_KEEP,
+            "wait": self._pb.PAUSE_MODE_WAIT,
+        }
+        await self._stub.PauseReplicas(self._pb.PauseReplicasRequest(mode=modes[mode]))
+
+    async def resume(self, version: int | None) -> None:
+        from relayrl.proto.common.v1 import common_pb2
+
+        request = self._pb.ResumeReplicasRequest()
+        if version is not None:  # labels the version and resets the prefix cache
+            request.version.CopyFrom(common_pb2.WeightVersion(version=version))
+        await self._stub.ResumeReplicas(request)
+
+    async def drain(self, replica_id: str, reason: str) -> None:
+        await self._stub.DrainReplica(
+            self._pb.DrainReplicaRequest(replica_id=replica_id, reason=reason[:500])
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def engine_client(url: str, timeout_s: float) -> Any:
+    from relayrl.engine.client import VllmEngineClient
+
+    return VllmEngineClient(url, control_timeout_s=timeout_s)
+
+
+class WeightSyncApp:
+    def __init__(self, config: WeightSyncConfig, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.metrics = WeightSyncMetrics(registry)
+        self.gateway = GatewayControl(config.gateway) if config.gateway is not None else None
+        self.service: GrpcService | None = None
+        self.coordinator = Coordinator(
+            config,
+            self.metrics,
+            engine_factory=engine_client,
+            gateway=self.gateway,
+            advertise_target=self.advertise_target,
+        )
+        self.servicer = WeightSyncServicer(
+            self.coordinator,
+            bucket_size_bytes=config.bucket_size_bytes,
+            chunk_bytes=config.chunk_size_bytes,
+        )
+
+    def advertise_target(self) -> str:
+        if self.config.advertise_target:
+            return self.config.advertise_target
+        assert self.service is not None
+        host = self.config.grpc.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        return f"{host}:{self.service.port}"
+
+    async def close(self) -> None:
+        await self.coordinator.close()
+        if self.gateway is not None:
+            await self.gateway.close()
+
+
+async def run(config: WeightSyncConfig, ready_file: Path | None = None) -> None:
+    registry = CollectorRegistry()
+    app = WeightSyncApp(config, registry)
+    service = build_service(
+        config,
+        service_name="weightsync",
+        register=[
+            lambda server: weightsync_pb2_grpc.add_WeightSyncServicer_to_server(
+                app.servicer, server
+            )
+        ],
+        service_names=[SERVICE_FULL_NAME],
+        registry=registry,
+        shutdown_hooks=[app.close],
+    )
+    app.service = service
+
+    def started(service: GrpcService) -> None:
+        logger.info(
+            "weight-sync ready: gRPC %s, metrics port %s, engines %s",
+            service.address,
+            service.metrics_port,
+            ", ".join(config.engines.urls) or "(none yet)",
+        )
+        if ready_file is not None:
+            write_ready_file(ready_file, service)
+
+    try:
+        await service.run_until_signal(on_started=started)
+    except BaseException:
+        await app.close()
+        raise
+
+
+def serve(config: WeightSyncConfig, ready_file: Path | None = None) -> int:
+    setup_logging(config.logging, "weightsync")
+    try:
+        asyncio.run(run(config, ready_file))
+    except OSError as exc:  # e.g. the port is taken: a deployment mistake, one line
+        logger.error("%s", exc)
+        return 1
+    return 0

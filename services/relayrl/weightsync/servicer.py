@@ -1,0 +1,189 @@
+"""The WeightSync gRPC service: translates requests to the Coordinator and back. Every refusal
+says what to fix (INVALID_ARGUMENT, FAILED_PRECONDITION for a plan mismatch, NOT_FOUND for an
+unknown transfer, DATA_LOSS for a corrupted bucket)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+from relayrl.weightsync.coordinator import Coordinator, PlanMismatch, SyncError
+
+
+def _version(coordinator: Coordinator) -> common_pb2.WeightVersion:
+    committed = coordinator.committed
+    if committed is None:
+        return common_pb2.WeightVersion(version=0)
+    return common_pb2.WeightVersion(
+        version=committed.version,
+        trainer_step=committed.trainer_step,
+        checksum=committed.plan_digest,
+    )
+
+
+class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
+    def __init__(
+        self, coordinator: Coordinator, *, bucket_size_bytes: int, chunk_bytes: int
+    ) -> None:
+        self._c = coordinator
+        self._bucket_size_bytes = bucket_size_bytes
+        self._chunk_bytes = chunk_bytes
+
+    async def RegisterSender(
+        self, request: pb.RegisterSenderRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterSenderResponse:
+        if request.world_size < 1 or not 0 <= request.rank < request.world_size:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {request.rank} is not in [0, world_size={request.world_size})",
+            )
+        return pb.RegisterSenderResponse(committed=_version(self._c))
+
+    async def RegisterEngine(
+        self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterEngineResponse:
+        if not request.replica_id or not request.url.startswith(("http://", "https://")):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "give replica_id and the engine's base url (http://host:port)",
+            )
+        needs_pull = self._c.register_engine(
+            request.replica_id, request.url, request.current_version
+        )
+        return pb.RegisterEngineResponse(committed=_version(self._c), needs_pull=needs_pull)
+
+    async def Publish(
+        self, request: pb.PublishRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PublishResponse:
+        if request.transport not in (pb.TRANSPORT_TYPE_UNSPECIFIED, pb.TRANSPORT_TYPE_GRPC):
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "this service moves buckets over gRPC; the torch_distributed and mooncake "
+                "data planes run between senders and engines (transport: grpc here)",
+            )
+        try:
+            transfer = self._c.publish(request.version, request.trainer_step, request.tensors)
+        except PlanMismatch as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.PublishResponse(plan=transfer.plan_proto(self._bucket_size_bytes))
+
+    async def GetBucketPlan(
+        self, request: pb.GetBucketPlanRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BucketPlan:
+        try:
+            transfer = self._c.transfer(request.transfer_id)
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        return transfer.plan_proto(self._bucket_size_bytes)
+
+    async def PushBuckets(
+        self, request_iterator: AsyncIterator[pb.BucketChunk], context: grpc.aio.ServicerContext
+    ) -> pb.PushBucketsResponse:
+        num_buckets = num_bytes = 0
+        parts: list[bytes] = []
+        current: tuple[str, int] | None = None
+        async for chunk in request_iterator:
+            key = (chunk.transfer_id, chunk.bucket_index)
+            if current is not None and key != current:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"bucket {current[1]} ended without its last chunk (last=true)",
+                )
+            if chunk.offset_bytes != sum(len(p) for p in parts):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"bucket {chunk.bucket_index}: chunk at offset {chunk.offset_bytes}, "
+                    f"expected {sum(len(p) for p in parts)}",
+                )
+            current = key
+            parts.append(chunk.data)
+            if not chunk.last:
+                continue
+            data = b"".join(parts)
+            parts, current = [], None
+            try:
+                self._c.put_bucket(chunk.transfer_id, chunk.bucket_index, data, chunk.bucket_sha256)
+            except KeyError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+            except PlanMismatch as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except SyncError as exc:
+                await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+            num_buckets += 1
+            num_bytes += len(data)
+        if current is not None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the stream ended inside bucket {current[1]} (no chunk with last=true)",
+            )
+        return pb.PushBucketsResponse(num_buckets=num_buckets, num_bytes=num_bytes)
+
+    async def PullBuckets(
+        self, request: pb.PullBucketsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.BucketChunk]:
+        if request.transfer_id:
+            try:
+                transfer = self._c.transfer(request.transfer_id)
+            except KeyError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        elif self._c.committed is not None:
+            transfer = self._c.committed
+        else:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no version is committed yet")
+        if not transfer.complete.is_set() or any(b is None for b in transfer.buckets):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"transfer {transfer.transfer_id} holds no complete set of buckets "
+                f"({transfer.error or 'still arriving'})",
+            )
+        for index, data in enumerate(list(transfer.buckets)):
+            assert data is not None
+            view = memoryview(data)
+            for offset in range(0, max(len(data), 1), self._chunk_bytes):
+                last = offset + self._chunk_bytes >= len(data)
+                yield pb.BucketChunk(
+                    transfer_id=transfer.transfer_id,
+                    bucket_index=index,
+                    offset_bytes=offset,
+                    data=bytes(view[offset : offset + self._chunk_bytes]),
+                    last=last,
+                    bucket_sha256=transfer.sha256[index] if last else "",
+                )
+
+    async def AckVersion(
+        self, request: pb.AckVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AckVersionResponse:
+        entry = self._c.engines.get(request.replica_id)
+        if entry is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown replica {request.replica_id!r}: register it"
+            )
+        if request.ok:
+            entry.version = request.version
+        else:
+            entry.last_error = request.error
+        return pb.AckVersionResponse(committed=self._c.committed_version == request.version)
+
+    async def GetVersion(
+        self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetVersionResponse:
+        active = (
+            pb.TRANSFER_STATE_PLANNED,
+            pb.TRANSFER_STATE_TRANSFERRING,
+            pb.TRANSFER_STATE_LOADING,
+        )
+        in_progress = next((t for t in self._c.transfers.values() if t.state in active), None)
+        return pb.GetVersionResponse(
+            committed=_version(self._c),
+            in_progress=in_progress.plan_proto(self._bucket_size_bytes) if in_progress else None,
+            replicas=[
+                pb.ReplicaVersion(replica_id=e.replica_id, version=e.version, live=e.live)
+                for e in self._c.engines.values()
+            ],
+        )

@@ -1,0 +1,254 @@
+"""weight-sync end to end on real processes: the relayrl-weightsync service, real vLLM engines
+(the tiny model) with relayrl's worker extension as receivers, and a sender in this process
+standing in for a trainer rank (it publishes HF-named tensors exactly as the trainer's export
+yields them).
+
+Buckets are small (96 KiB) so that the tiny model's tensors are both smaller and larger than a
+bucket and the plan has many buckets."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from relayrl.core.service_process import ServiceProcess
+from relayrl.engine.client import GenerateRequest, SamplingOptions, VllmEngineClient
+from relayrl.engine.config import EngineConfig
+from relayrl.engine.process import EngineProcess
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+from relayrl.weightsync.sender import PublishError, WeightSyncSender, export_tensors
+
+pytestmark = pytest.mark.slow
+
+PROMPT = (3, 17, 42, 99, 7, 250)
+GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
+BUCKET = 96 * 1024
+
+
+def start_engine(model_dir: Path, workdir: Path) -> EngineProcess:
+    config = EngineConfig(model=model_dir, max_model_len=512, cache_dir=workdir / "cache")
+    return EngineProcess(config, workdir).start()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    process = start_engine(model_dir, tmp_path_factory.mktemp("engine"))
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def weightsync(engine: EngineProcess, tmp_path: Path) -> Iterator[ServiceProcess]:
+    config = {
+        "bucket_size_bytes": BUCKET,
+        "chunk_size_bytes": 32 * 1024,
+        "engines": {"urls": [engine.url], "load_timeout_s": 120},
+        "transfer_timeout_s": 60,
+    }
+    with ServiceProcess("relayrl-weightsync", config, tmp_path / "ws") as service:
+        yield service
+
+
+def perturbed(model_dir: Path, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """The original weights, moved: stands in for a trainer step."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: t + scale * t.std() * torch.randn(t.shape, generator=generator)
+        for name, t in load_file(model_dir / "model.safetensors").items()
+    }
+
+
+def engine_call(engine: EngineProcess, scenario):  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]
+        client = VllmEngineClient(engine.url, control_timeout_s=120)
+        try:
+            return await scenario(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def generate(engine: EngineProcess) -> list[int]:
+    async def scenario(client: VllmEngineClient) -> list[int]:
+        request = GenerateRequest(f"t-{uuid.uuid4().hex[:8]}", PROMPT, GREEDY)
+        return list((await client.generate(request)).token_ids)
+
+    return engine_call(engine, scenario)
+
+
+def engine_digest(engine: EngineProcess) -> str:
+    async def scenario(client: VllmEngineClient) -> str:
+        (info,) = await client.worker_rpc("relayrl_weight_info", {})
+        return info["digest"]
+
+    return engine_call(engine, scenario)
+
+
+def load_file_into(engine: EngineProcess, path: Path) -> None:
+    async def scenario(client: VllmEngineClient) -> None:
+        await client.worker_rpc("relayrl_load_tensors", {"path": str(path)})
+
+    engine_call(engine, scenario)
+
+
+def transformers_greedy(model_dir: Path, weights: dict[str, torch.Tensor]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    ids = torch.tensor([PROMPT])
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def version_of(service: ServiceProcess) -> pb.GetVersionResponse:
+    with grpc.insecure_channel(service.target) as channel:
+        return weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
+            pb.GetVersionRequest(), timeout=10
+        )
+
+
+def test_a_version_reaches_the_engine_bit_for_bit_and_generates_like_transformers(
+    engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    weights = perturbed(model_dir, 0.5, seed=1)
+    sender = WeightSyncSender(weightsync.target, timeout_s=120)
+    result = sender.publish(1, 1, weights.items())
+    sender.wait_committed(result.transfer_id, 180)
+    assert result.bytes_total > 3 * BUCKET and result.num_buckets_sent > 3
+    committed = version_of(weightsync)
+    assert committed.committed.version == 1
+    assert [(r.version, r.live) for r in committed.replicas] == [(1, True)]
+
+    async def label(client: VllmEngineClient) -> str:
+        return await client.weight_version()
+
+    assert engine_call(engine, label) == "1"
+    synced = engine_digest(engine)
+    # The same bf16 export written to a file and loaded by the engine's file path: the
+    # engine's own checksum over its parameters must not tell the two apart.
+    wire, _ = export_tensors(weights.items(), "none")
+    save_file(wire, tmp_path / "export.safetensors")
+    load_file_into(engine, tmp_path / "export.safetensors")
+    assert engine_digest(engine) == synced
+    bf16 = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    assert generate(engine) == transformers_greedy(model_dir, bf16)
+    sender.close()
+
+
+def test_fp8_is_within_the_e4m3_bound_and_generates_close_to_bf16(
+    engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path
+) -> None:
+    from relayrl.weightsync.quant import dequantize_fp8, quantize_fp8
+
+    weights = perturbed(model_dir, 0.5, seed=2)
+    for mode in ("per_tensor", "block_128"):
+        t = weights["model.layers.0.mlp.down_proj.weight"]
+        q, scale = quantize_fp8(t, mode)
+        error = (dequantize_fp8(q, scale, mode, torch.float32) - t).abs()
+        assert float((error / t.abs().clamp_min(1e-3)).median()) < 2**-4
+    bf16_version = version_of(weightsync).committed.version + 1
+    sender = WeightSyncSender(weightsync.target, timeout_s=120)
+    sender.wait_committed(sender.publish(bf16_version, 0, weights.items()).transfer_id, 180)
+    reference = generate(engine)
+    fp8 = WeightSyncSender(weightsync.target, timeout_s=120, quantization="fp8_block_128")
+    result = fp8.publish(bf16_version + 1, 0, weights.items())
+    fp8.wait_committed(result.transfer_id, 180)
+    tokens = generate(engine)
+    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+    assert same >= 6, (tokens, reference)  # greedy decoding stays close for the first tokens
+    wire_fp8, _ = export_tensors(weights.items(), "fp8_block_128")
+    fp8_bytes = sum(t.numel() * t.element_size() for t in wire_fp8.values())
+    bf16_bytes = sum(t.numel() * 2 for t in weights.values())
+    assert fp8_bytes < 0.75 * bf16_bytes  # the tiny model's embeddings stay bf16
+    sender.close()
+    fp8.close()
+
+
+def test_a_corrupted_bucket_and_a_disagreeing_sender_fail_fast(
+    weightsync: ServiceProcess, model_dir: Path
+) -> None:
+    weights = perturbed(model_dir, 0.1, seed=3)
+    _, metas = export_tensors(weights.items(), "none")
+    with grpc.insecure_channel(weightsync.target) as channel:
+        stub = weightsync_pb2_grpc.WeightSyncStub(channel)
+        version = stub.GetVersion(pb.GetVersionRequest(), timeout=10).committed.version + 10
+        plan = stub.Publish(pb.PublishRequest(version=version, tensors=metas), timeout=10).plan
+        # another rank exporting a different set of tensors for the same version
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Publish(pb.PublishRequest(version=version, tensors=metas[:-1]), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "manifest differs" in raised.value.details()
+        assert time.monotonic() - start < 5
+        size = plan.buckets[0].size_bytes
+        data = bytes(size)
+        wrong = hashlib.sha256(b"not the bucket").hexdigest()
+        chunk = pb.BucketChunk(
+            transfer_id=plan.transfer_id, bucket_index=0, data=data, last=True,
+            bucket_sha256=wrong,
+        )  # fmt: skip
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.PushBuckets(iter([chunk]), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "checksum mismatch" in raised.value.details()
+        short = pb.BucketChunk(
+            transfer_id=plan.transfer_id, bucket_index=0, data=b"x", last=True,
+            bucket_sha256=hashlib.sha256(b"x").hexdigest(),
+        )  # fmt: skip
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.PushBuckets(iter([short]), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"the plan says {size}" in raised.value.details()
+
+
+def test_a_late_joiner_pulls_the_committed_version(
+    engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    weights = perturbed(model_dir, 0.3, seed=4)
+    sender = WeightSyncSender(weightsync.target, timeout_s=120)
+    version = version_of(weightsync).committed.version + 1
+    sender.wait_committed(sender.publish(version, 0, weights.items()).transfer_id, 180)
+    expected = generate(engine)
+    late = start_engine(model_dir, tmp_path / "late")
+    try:
+        with grpc.insecure_channel(weightsync.target) as channel:
+            reply = weightsync_pb2_grpc.WeightSyncStub(channel).RegisterEngine(
+                pb.RegisterEngineRequest(replica_id="late", url=late.url, current_version=0),
+                timeout=10,
+            )
+        assert reply.needs_pull and reply.committed.version == version
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            replicas = {r.replica_id: r for r in version_of(weightsync).replicas}
+            if replicas["late"].version == version:
+                break
+            time.sleep(0.2)
+        assert replicas["late"].version == version and replicas["late"].live
+        assert generate(late) == expected
+        assert engine_digest(late) == engine_digest(engine)
+    finally:
+        late.stop()
+        sender.close()
+
+
+def test_publishing_to_an_unreachable_service_is_a_clear_error(model_dir: Path) -> None:
+    sender = WeightSyncSender("127.0.0.1:1", timeout_s=2)
+    with pytest.raises(PublishError, match="export: Publish of version 1"):
+        sender.publish(1, 1, {"w": torch.zeros(2, 2)}.items())
+    sender.close()
+    assert common_pb2.QUANTIZATION_FP8_BLOCK_128
