@@ -362,7 +362,8 @@ class Coordinator:
                     self._metrics.failures.labels(boundary).inc()
                     logger.warning(
                         "replica %s, version %d, attempt %d/%d: %s",
-                        entry.replica_id, transfer.version, attempt, settings.attempts, exc,
+                        entry.replica_id, transfer.version, attempt, settings.attempts,
+                        entry.last_error,
                     )  # fmt: skip
             entry.live = False
             if self._gateway is not None:

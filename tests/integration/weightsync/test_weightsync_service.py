@@ -252,3 +252,25 @@ def test_publishing_to_an_unreachable_service_is_a_clear_error(model_dir: Path) 
         sender.publish(1, 1, {"w": torch.zeros(2, 2)}.items())
     sender.close()
     assert common_pb2.QUANTIZATION_FP8_BLOCK_128
+
+
+def test_a_dead_replica_is_dropped_and_the_others_commit(
+    engine: EngineProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    doomed = start_engine(model_dir, tmp_path / "doomed")
+    config = {
+        "bucket_size_bytes": BUCKET,
+        "engines": {"urls": [engine.url, doomed.url], "load_timeout_s": 30, "attempts": 2},
+    }
+    with ServiceProcess("relayrl-weightsync", config, tmp_path / "ws") as service:
+        doomed.kill()  # the receiver dies before the switch reaches it
+        weights = perturbed(model_dir, 0.2, seed=5)
+        sender = WeightSyncSender(service.target, timeout_s=120)
+        result = sender.publish(1, 1, weights.items())
+        sender.wait_committed(result.transfer_id, 180)
+        replicas = {r.replica_id: r for r in version_of(service).replicas}
+        assert replicas[engine.url].version == 1 and replicas[engine.url].live
+        assert not replicas[doomed.url].live and replicas[doomed.url].version == 0
+        assert "load" in service.log()  # the failure names its boundary
+        sender.close()
+    doomed.stop()
