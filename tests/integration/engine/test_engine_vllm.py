@@ -85,22 +85,32 @@ def test_tokens_and_logprobs_match_transformers_on_the_same_weights(
 def test_a_pause_keep_across_a_version_change_splits_the_spans(engine: EngineProcess) -> None:
     long = SamplingOptions(max_tokens=400, temperature=1.0, seed=1, ignore_eos=True)
 
-    async def scenario(client: VllmEngineClient) -> Generation:
-        await client.set_weight_version("3")
+    async def attempt(client: VllmEngineClient, old: str, new: str) -> Generation:
+        await client.set_weight_version(old)
         rollout = asyncio.create_task(client.generate(request(long)))
         await asyncio.sleep(0.05)
         await client.pause("keep")
         assert await client.is_paused()
-        await client.set_weight_version("4")
+        await client.set_weight_version(new)
         await client.reset_prefix_cache()
         await client.resume()
         assert not await client.is_paused()
-        assert await client.weight_version() == "4"
+        assert await client.weight_version() == new
         return await rollout
+
+    async def scenario(client: VllmEngineClient) -> Generation:
+        # The pause has to land while the 400 tokens are being generated (~0.3 s here); on a
+        # loaded machine it can land before the request starts or after it ends, which makes
+        # one span: try again with new labels (the assertions below still need a split).
+        for k in range(5):
+            generation = await attempt(client, str(3 + 2 * k), str(4 + 2 * k))
+            if len(generation.version_spans) > 1:
+                break
+        return generation
 
     generation = run(engine, scenario)
     spans = generation.version_spans
-    assert [s.version for s in spans] == ["3", "4"], spans
+    assert len(spans) == 2 and int(spans[1].version) == int(spans[0].version) + 1, spans
     assert spans[0].start == 0 and spans[0].end == spans[1].start and spans[1].end == 400
     assert len(generation.token_ids) == len(generation.logprobs) == 400
 
