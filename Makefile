@@ -17,7 +17,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer run lock clean
+.PHONY: help setup protos contract test test-unit test-integration lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -28,6 +28,9 @@ $(SETUP_STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { \
 	  echo "setup: installing Debian redis-server"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1 || { \
+	  echo "setup: installing Debian libibverbs1 librdmacm1 (Mooncake's transfer engine)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==26.3 $(QUIET_PIP)
 	$(PIP) install -q "$(call TORCH_PIN,lock)" $(QUIET_PIP)
@@ -58,7 +61,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services tests bench
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -74,6 +77,9 @@ bench-gateway: setup ## rollouts through the real gateway vs straight to the vLL
 
 bench-trainer: setup ## trainer steps fed from a real TransferQueue: time per phase, overhead
 	$(BIN)/python bench/trainer_bench.py
+
+bench-weightsync: setup ## a ~1 GiB bf16 model over each weight-sync data plane vs loopback TCP
+	$(BIN)/python bench/weightsync_bench.py
 
 run: setup ## set up and run the main job on the embedded default
 	$(BIN)/relayrl up

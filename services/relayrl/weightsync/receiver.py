@@ -83,7 +83,11 @@ def receive_tensors(
         scales: dict[str, torch.Tensor] = {}
         assembler = BucketAssembler(layouts)
         digests: list[str] = []
-        parts: list[bytes] = []
+        # One reused bucket buffer, hashed as it fills: no per-bucket join, no second pass.
+        buffer = torch.empty(max((b.size_bytes for b in layouts), default=0), dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        hasher = hashlib.sha256()
+        filled = 0
         num_bytes = 0
         stream = stub.PullBuckets(
             pb.PullBucketsRequest(
@@ -92,19 +96,26 @@ def receive_tensors(
             timeout=max(1.0, deadline - time.monotonic()),
         )
         for chunk in stream:
-            parts.append(chunk.data)
+            size = len(chunk.data)
+            if chunk.offset_bytes != filled or filled + size > len(view):
+                raise ReceiveError(
+                    f"transport: bucket {chunk.bucket_index} of {request['transfer_id']}: "
+                    f"chunk at offset {chunk.offset_bytes} does not fit the plan"
+                )
+            view[filled : filled + size] = chunk.data
+            hasher.update(chunk.data)
+            filled += size
             if not chunk.last:
                 continue
-            data = b"".join(parts)
-            parts = []
-            digest = hashlib.sha256(data).hexdigest()
+            data = buffer[:filled]
+            digest, hasher, filled = hasher.hexdigest(), hashlib.sha256(), 0
             if digest != chunk.bucket_sha256:
                 raise ReceiveError(
                     f"transport: bucket {chunk.bucket_index} of {request['transfer_id']} "
                     "arrived corrupted (sha256 mismatch)"
                 )
             digests.append(digest)
-            num_bytes += len(data)
+            num_bytes += data.numel()
             for name, tensor in assembler.feed(chunk.bucket_index, data):
                 if name in scale_names:
                     scales[name] = tensor
