@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 import pytest
-from test_trainer_process import trainer_config, wait_exit
+from test_trainer_process import steps_logged, trainer_config, wait_exit
 from trainer_tq import RolloutEmulator
 
 from relayrl.core.service_process import ServiceProcess
@@ -66,3 +66,49 @@ def test_every_step_is_committed_on_the_engine(redis_server, tq, model_dir, tmp_
         assert label == "2" and digest != initial_digest
     finally:
         engine.stop()
+
+
+def test_tp2_trainer_ranks_send_to_two_replicas(redis_server, tq, model_dir, tmp_path) -> None:
+    engines = [
+        EngineProcess(
+            EngineConfig(model=model_dir, max_model_len=512, cache_dir=tmp_path / f"cache{i}"),
+            tmp_path / f"engine{i}",
+        ).start()
+        for i in range(2)
+    ]
+    try:
+        urls = [e.url for e in engines]
+        ws_config = {"bucket_size_bytes": 128 * 1024, "engines": {"urls": urls}}
+        with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
+            config = trainer_config(
+                redis_server,
+                model_dir,
+                tmp_path,
+                total_steps=1,
+                model={"hf_dir": str(model_dir), "tensor_parallel": 2},
+                publish={"type": "weightsync", "target": weightsync.target},
+            )
+            emulator = RolloutEmulator(tq).start()
+            try:
+                trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
+                trainer.start(timeout_s=120)
+                assert wait_exit(trainer, 300) == 0, trainer.log()
+            finally:
+                emulator.stop()
+            with grpc.insecure_channel(weightsync.target) as channel:
+                version = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
+                    pb.GetVersionRequest(), timeout=10
+                )
+            # both ranks pushed their share of the buckets, one stream each
+            assert weightsync.log().count("WeightSync/PushBuckets code=OK") == 2
+        record = steps_logged(tmp_path / "steps.jsonl")[0]
+        assert 0 < record["publish_sent_bytes"] < record["publish_bytes"]  # rank 0's share
+        assert version.committed.version == 1
+        assert sorted((r.replica_id, r.version, r.live) for r in version.replicas) == sorted(
+            (url, 1, True) for url in urls
+        )
+        states = [engine_state(e) for e in engines]
+        assert states[0] == states[1] and states[0][0] == "1"  # same label, same weights
+    finally:
+        for engine in engines:
+            engine.stop()
