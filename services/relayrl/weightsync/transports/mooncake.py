@@ -35,6 +35,7 @@ lines per engine start and stop).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import selectors
@@ -216,11 +217,13 @@ class _MooncakeEndpoint:
         self._channels[rank] = channel
         self._selector.register(channel.sock, selectors.EVENT_READ, channel)
 
+    @abc.abstractmethod
     def _on_message(self, channel: _Channel, kind: int, index: int, payload: bytes) -> None:
-        raise NotImplementedError
+        """A control message from a peer (the sink and the source read different ones)."""
 
+    @abc.abstractmethod
     def _on_peer_closed(self, channel: _Channel) -> None:
-        raise NotImplementedError
+        """A peer's control channel closed."""
 
     def _pump(
         self,
