@@ -349,3 +349,23 @@ def build_service(
         metrics=config.metrics,
         shutdown_hooks=shutdown_hooks,
     )
+
+
+def serve_process(
+    config: ServiceConfig,
+    service_name: str,
+    main: Callable[[], Awaitable[None]],
+    user_errors: tuple[type[Exception], ...] = (OSError,),
+) -> int:
+    """The body of a service's `serve(config, ready_file) -> exit code`: logging, the event
+    loop, and a deployment mistake (a taken port, a missing file: `user_errors`) as one log
+    line and exit code 1 instead of a traceback."""
+    from relayrl.core.logs import setup_logging
+
+    setup_logging(config.logging, service_name)
+    try:
+        asyncio.run(main())
+    except user_errors as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0

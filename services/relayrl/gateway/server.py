@@ -13,8 +13,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from relayrl.core.grpc_server import GrpcService, build_service, write_ready_file
-from relayrl.core.logs import setup_logging
+from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.engine.client import SamplingOptions, VllmEngineClient
 from relayrl.gateway.agent_http import AgentHttpServer
 from relayrl.gateway.agents import AgentContext, build_agent_loops
@@ -190,10 +189,6 @@ async def run(config: GatewayConfig, ready_file: Path | None = None) -> None:
 
 
 def serve(config: GatewayConfig, ready_file: Path | None = None) -> int:
-    setup_logging(config.logging, "gateway")
-    try:
-        asyncio.run(run(config, ready_file))
-    except (OSError, ValueError) as exc:  # a port taken, a missing tokenizer: one line
-        logger.error("%s", exc)
-        return 1
-    return 0
+    # a taken port or a missing tokenizer folder: one line, not a traceback
+    errors = (OSError, ValueError)
+    return serve_process(config, "gateway", lambda: run(config, ready_file), errors)

@@ -8,14 +8,12 @@ pipeline scores what it holds for `shutdown_grace_s` and closes the managers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from relayrl.core.grpc_server import GrpcService, build_service, write_ready_file
-from relayrl.core.logs import setup_logging
+from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
 from relayrl.reward.config import RewardConfig
 from relayrl.reward.managers.table import build_managers
@@ -123,10 +121,4 @@ async def run(config: RewardConfig, ready_file: Path | None = None) -> None:
 
 
 def serve(config: RewardConfig, ready_file: Path | None = None) -> int:
-    setup_logging(config.logging, "reward")
-    try:
-        asyncio.run(run(config, ready_file))
-    except OSError as exc:  # e.g. the port is taken: a deployment mistake, one line
-        logger.error("%s", exc)
-        return 1
-    return 0
+    return serve_process(config, "reward", lambda: run(config, ready_file))

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from relayrl.core.grpc_server import GrpcService, build_service, write_ready_file
-from relayrl.core.logs import setup_logging
+from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator
@@ -132,10 +130,4 @@ async def run(config: WeightSyncConfig, ready_file: Path | None = None) -> None:
 
 
 def serve(config: WeightSyncConfig, ready_file: Path | None = None) -> int:
-    setup_logging(config.logging, "weightsync")
-    try:
-        asyncio.run(run(config, ready_file))
-    except OSError as exc:  # e.g. the port is taken: a deployment mistake, one line
-        logger.error("%s", exc)
-        return 1
-    return 0
+    return serve_process(config, "weightsync", lambda: run(config, ready_file))
