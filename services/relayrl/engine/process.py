@@ -34,7 +34,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, workdir: Path) -> None:
+    def __init__(
+        self, config: EngineConfig, workdir: Path, *, env: dict[str, str] | None = None
+    ) -> None:
+        """`env`: variables added to this process's environment for the engine's."""
         if config.port == 8000:  # the default: pick a free one instead
             config = config.model_copy(update={"port": free_port(config.host)})
         self.config = config
@@ -44,6 +47,7 @@ class EngineProcess:
         self.config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
         self.log_path = workdir / "engine.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self._env = {**os.environ, **env} if env else None
 
     @property
     def url(self) -> str:
@@ -69,6 +73,7 @@ class EngineProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=self._env,
             )
         deadline = time.monotonic() + timeout_s
         while not self._healthy():

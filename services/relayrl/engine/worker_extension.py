@@ -33,10 +33,30 @@ class RelayrlWorkerExtension:
         return self.model_runner.model  # type: ignore[attr-defined]
 
     def _relayrl_reload(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.model_runner.reload_weights(  # type: ignore[attr-defined]
-            weights_iterator=tensors, is_checkpoint_format=True
-        )
+        try:
+            self.model_runner.reload_weights(  # type: ignore[attr-defined]
+                weights_iterator=tensors, is_checkpoint_format=True
+            )
+        except BaseException:
+            self._relayrl_end_failed_reload()
+            raise
         self._relayrl_refresh_cpu_embedding_gemm()
+
+    def _relayrl_end_failed_reload(self) -> None:
+        """vLLM's in-place reload moves every layer onto the meta device with wrapped weight
+        loaders until it finalises; a weight stream that fails midway (a dead sender, a
+        corrupted bucket) skips that step and leaves a model nothing can load into. Finalise
+        it: layers that got nothing get their old tensors back, the others keep what arrived.
+        The model is then a mix of two versions -- its replica stays paused until a retry
+        loads a whole version, or leaves routing."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+        )
+
+        finalize_layerwise_reload(
+            self._relayrl_model(),
+            self.model_runner.vllm_config.model_config,  # type: ignore[attr-defined]
+        )
 
     def _relayrl_refresh_cpu_embedding_gemm(self) -> None:
         """On CPU, vLLM gives every embedding used as an output layer (the tied lm_head) a
@@ -98,21 +118,46 @@ class RelayrlWorkerExtension:
         return {"loaded": names}
 
     def relayrl_receive(self, request_json: str) -> dict[str, Any]:
-        """Receive a weight-sync version and load it in place: {"transport": "grpc",
-        "target", "transfer_id", "plan_digest", "timeout_s"}. Buckets stream straight into
-        the reload path (see `relayrl_load_tensors` for why reload, not load); returns the
-        loaded buckets' sha256 in plan order, which the coordinator compares with what the
-        senders pushed. The weight-sync receiver (and gRPC with it) is imported only here,
-        when a version arrives."""
+        """Receive a weight-sync version and load it in place (`receive_tensors` documents
+        the request: the plan's target and digest, the data plane, and for a broadcast data
+        plane the spec and this replica's first receiver rank, to which the worker's rank is
+        added). Buckets stream straight into the reload path (see `relayrl_load_tensors` for
+        why reload, not load); returns the loaded buckets' sha256 in plan order, which the
+        coordinator compares with what the senders pushed. The weight-sync receiver (and gRPC
+        with it) is imported only here, when a version arrives."""
         from relayrl.weightsync.receiver import receive_tensors
 
         request = json.loads(request_json)
-        if request.get("transport", "grpc") != "grpc":
-            raise ValueError(f"unknown weight-sync transport {request.get('transport')!r}")
         stats: dict[str, Any] = {}
         dtype = next(self._relayrl_model().parameters()).dtype
-        self._relayrl_reload(receive_tensors(request, stats, dtype=dtype))
+        tensors = receive_tensors(
+            request,
+            stats,
+            dtype=dtype,
+            worker_rank=int(getattr(self, "rank", 0)),
+            resources=self._relayrl_data_plane_resources(request),
+        )
+        self._relayrl_reload(tensors)
         return stats
+
+    def _relayrl_data_plane_resources(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One Mooncake engine per worker, kept across versions (starting and stopping one per
+        transfer costs about a second)."""
+        if request.get("transport") != "mooncake":
+            return {}
+        from relayrl.weightsync.transports.base import TransportSpec, local_address_towards
+        from relayrl.weightsync.transports.mooncake import MooncakeEngine
+
+        engine = getattr(self, "_relayrl_mooncake", None)
+        if engine is None:
+            spec = TransportSpec.from_json(request["spec"])
+            engine = MooncakeEngine(
+                local_address_towards(spec.rendezvous_address[0]),
+                protocol=spec.mooncake_protocol,
+                device_name=spec.mooncake_device_name,
+            )
+            self._relayrl_mooncake = engine
+        return {"engine": engine}
 
     def relayrl_ping(self, request_json: str = "{}") -> dict[str, Any]:
         """Liveness of the extension itself (it is loaded, and this worker answers)."""

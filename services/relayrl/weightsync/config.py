@@ -29,6 +29,46 @@ class EnginesSettings(StrictModel):
     )
 
 
+class DataPlaneSettings(StrictModel):
+    """How buckets go from this service to the engines' workers (senders always push to the
+    service over gRPC; the service keeps the version in host memory and fans it out)."""
+
+    transport: Literal["grpc", "torch_distributed", "mooncake"] = Field(
+        "grpc",
+        description="grpc: every worker pulls the buckets over gRPC streaming (always works). "
+        "torch_distributed: one broadcast per bucket from this service to every worker of every "
+        "replica (gloo on CPU, nccl with device cuda). mooncake: the Mooncake transfer engine "
+        "writes each bucket into every worker's registered buffers (TCP, or RDMA).",
+    )
+    host: str | None = Field(
+        None,
+        description="Address at which engine workers reach this service's rendezvous store "
+        "(torch_distributed, mooncake); null: the host of advertise_target.",
+    )
+    rendezvous_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Port of the per-transfer rendezvous store; 0 picks a free one per transfer "
+        "(set a fixed, exposed port in a pod).",
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Deadline of every single data-plane wait (peers joining, one bucket, the "
+        "final confirmation); a dead or hung worker fails the attempt within it.",
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where workers receive buckets: cpu (gloo, Mooncake TCP) or cuda."
+    )
+    mooncake_protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="Mooncake's transport protocol: tcp (anywhere) or rdma (RDMA NICs)."
+    )
+    mooncake_device_name: str = Field(
+        "", description="Mooncake RDMA device filter (comma-separated); empty: discover them."
+    )
+
+
 class WeightSyncConfig(ServiceConfig):
     """weight-sync: plans and coordinates moving each new policy version into every engine."""
 
@@ -50,6 +90,7 @@ class WeightSyncConfig(ServiceConfig):
         "grpc.host and the bound port (fine on one machine; set the Service DNS name in a pod).",
     )
     engines: EnginesSettings = Field(default_factory=EnginesSettings)
+    data_plane: DataPlaneSettings = Field(default_factory=DataPlaneSettings)
     gateway: GrpcClientConfig | None = Field(
         None,
         description="The rollout-gateway: paused for the switch, resumed at the new version, "

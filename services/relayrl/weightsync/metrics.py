@@ -33,6 +33,18 @@ class WeightSyncMetrics:
             ["transport"],
             registry=registry,
         )
+        self.delivered = Counter(
+            _name("delivered", "bytes"),
+            "Bucket bytes delivered to engine workers (each worker counts), by data plane.",
+            ["transport"],
+            registry=registry,
+        )
+        self.delivery_rate = Gauge(
+            _name("delivery_rate", "bytes_per_second"),
+            "Bytes per second each engine worker received in the latest delivery, by data plane.",
+            ["transport"],
+            registry=registry,
+        )
         self.failures = Counter(
             _name("failures", "total"),
             "Failures by boundary (a replica that needs a retry counts once per attempt).",

@@ -75,11 +75,7 @@ class WeightSyncApp:
             gateway=self.gateway,
             advertise_target=self.advertise_target,
         )
-        self.servicer = WeightSyncServicer(
-            self.coordinator,
-            bucket_size_bytes=config.bucket_size_bytes,
-            chunk_bytes=config.chunk_size_bytes,
-        )
+        self.servicer = WeightSyncServicer(self.coordinator, chunk_bytes=config.chunk_size_bytes)
 
     def advertise_target(self) -> str:
         if self.config.advertise_target:

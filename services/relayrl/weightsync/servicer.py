@@ -26,11 +26,8 @@ def _version(coordinator: Coordinator) -> common_pb2.WeightVersion:
 
 
 class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
-    def __init__(
-        self, coordinator: Coordinator, *, bucket_size_bytes: int, chunk_bytes: int
-    ) -> None:
+    def __init__(self, coordinator: Coordinator, *, chunk_bytes: int) -> None:
         self._c = coordinator
-        self._bucket_size_bytes = bucket_size_bytes
         self._chunk_bytes = chunk_bytes
 
     async def RegisterSender(
@@ -62,8 +59,8 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         if request.transport not in (pb.TRANSPORT_TYPE_UNSPECIFIED, pb.TRANSPORT_TYPE_GRPC):
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED,
-                "this service moves buckets over gRPC; the torch_distributed and mooncake "
-                "data planes run between senders and engines (transport: grpc here)",
+                "senders push buckets to this service over gRPC (transport GRPC); the data "
+                "plane from here to the engines is the service's data_plane.transport setting",
             )
         try:
             transfer = self._c.publish(request.version, request.trainer_step, request.tensors)
@@ -71,7 +68,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.PublishResponse(plan=transfer.plan_proto(self._bucket_size_bytes))
+        return pb.PublishResponse(plan=self._c.plan_proto(transfer))
 
     async def GetBucketPlan(
         self, request: pb.GetBucketPlanRequest, context: grpc.aio.ServicerContext
@@ -80,7 +77,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             transfer = self._c.transfer(request.transfer_id)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        return transfer.plan_proto(self._bucket_size_bytes)
+        return self._c.plan_proto(transfer)
 
     async def PushBuckets(
         self, request_iterator: AsyncIterator[pb.BucketChunk], context: grpc.aio.ServicerContext
@@ -181,7 +178,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         in_progress = next((t for t in self._c.transfers.values() if t.state in active), None)
         return pb.GetVersionResponse(
             committed=_version(self._c),
-            in_progress=in_progress.plan_proto(self._bucket_size_bytes) if in_progress else None,
+            in_progress=self._c.plan_proto(in_progress) if in_progress else None,
             replicas=[
                 pb.ReplicaVersion(replica_id=e.replica_id, version=e.version, live=e.live)
                 for e in self._c.engines.values()

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import subprocess
+import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,3 +278,97 @@ def test_a_dead_replica_is_dropped_and_the_others_commit(
         assert "load" in service.log()  # the failure names its boundary
         sender.close()
     doomed.stop()
+
+
+def data_plane_config(urls: list[str], transport: str, attempts: int = 2) -> dict[str, object]:
+    return {
+        "bucket_size_bytes": BUCKET,
+        "engines": {"urls": urls, "load_timeout_s": 120, "attempts": attempts},
+        "data_plane": {"transport": transport, "timeout_s": 120},
+        "transfer_timeout_s": 60,
+    }
+
+
+def test_the_torch_distributed_data_plane_loads_the_engine_bit_for_bit(
+    engine: EngineProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    config = data_plane_config([engine.url], "torch_distributed")
+    with ServiceProcess("relayrl-weightsync", config, tmp_path / "ws") as service:
+        weights = perturbed(model_dir, 0.4, seed=6)
+        sender = WeightSyncSender(service.target, timeout_s=120)
+        result = sender.publish(1, 1, weights.items())
+        sender.wait_committed(result.transfer_id, 180)
+        assert [(r.version, r.live) for r in version_of(service).replicas] == [(1, True)]
+        synced = engine_digest(engine)
+        wire, _ = export_tensors(weights.items(), "none")
+        save_file(wire, tmp_path / "export.safetensors")
+        load_file_into(engine, tmp_path / "export.safetensors")
+        assert engine_digest(engine) == synced
+        with grpc.insecure_channel(service.target) as channel:
+            plan = weightsync_pb2_grpc.WeightSyncStub(channel).GetBucketPlan(
+                pb.GetBucketPlanRequest(transfer_id=result.transfer_id), timeout=10
+            )
+        assert plan.transport == pb.TRANSPORT_TYPE_TORCH_DISTRIBUTED
+        url = f"http://127.0.0.1:{service.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            metrics = response.read().decode()
+        assert 'relayrl_weightsync_delivered_bytes_total{transport="torch_distributed"}' in metrics
+        sender.close()
+
+
+def test_a_replica_killed_mid_broadcast_is_dropped_and_the_other_loads_the_whole_version(
+    engine: EngineProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    from relayrl.weightsync.receiver import FAULT_EXIT_AFTER_BUCKET
+
+    doomed = EngineProcess(
+        EngineConfig(model=model_dir, max_model_len=512, cache_dir=tmp_path / "cache"),
+        tmp_path / "doomed",
+        env={FAULT_EXIT_AFTER_BUCKET: "3"},  # its worker dies after the 4th bucket
+    ).start()
+    try:
+        config = data_plane_config([engine.url, doomed.url], "torch_distributed")
+        with ServiceProcess("relayrl-weightsync", config, tmp_path / "ws") as service:
+            weights = perturbed(model_dir, 0.25, seed=7)
+            sender = WeightSyncSender(service.target, timeout_s=120)
+            start = time.monotonic()
+            result = sender.publish(1, 1, weights.items())
+            sender.wait_committed(result.transfer_id, 300)
+            # The death fails the broadcast at once, not at the data plane's 120 s deadline.
+            assert time.monotonic() - start < 90
+            replicas = {r.replica_id: r for r in version_of(service).replicas}
+            assert replicas[engine.url].version == 1 and replicas[engine.url].live
+            assert not replicas[doomed.url].live and replicas[doomed.url].version == 0
+            assert "attempt 1/2" in service.log()
+            sender.close()
+        # The survivor holds the whole new version, not a mix of the failed attempt and it.
+        wire, _ = export_tensors(weights.items(), "none")
+        synced = engine_digest(engine)
+        save_file(wire, tmp_path / "export.safetensors")
+        load_file_into(engine, tmp_path / "export.safetensors")
+        assert engine_digest(engine) == synced
+    finally:
+        doomed.stop()
+
+
+def test_the_mooncake_data_plane_loads_the_engine_bit_for_bit(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """In a private network namespace: Mooncake listens on every interface."""
+    from test_weightsync_transports import mooncake_unavailable
+
+    if reason := mooncake_unavailable():
+        pytest.skip(reason)
+    runner = Path(__file__).with_name("weightsync_mooncake_engine.py")
+    stderr_path = tmp_path / "runner.stderr"
+    with stderr_path.open("w") as stderr:
+        done = subprocess.run(
+            ["unshare", "-n", "--", sys.executable, str(runner), str(model_dir), str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=600, check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, stderr_path.read_text()[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["committed"] == 2 and report["replicas"] == [[2, True]]
+    assert report["transport"] == "TRANSPORT_TYPE_MOONCAKE"
+    assert report["bit_exact"], report
+    assert any('transport="mooncake"' in line for line in report["delivered"]), report
