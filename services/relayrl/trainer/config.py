@@ -227,6 +227,12 @@ class WeightSyncPublishSettings(StrictModel):
     quantization: Literal["none", "fp8_per_tensor", "fp8_block_128"] = Field(
         "none", description="On the wire: bf16 (none) or FP8 e4m3 with scales."
     )
+    quantize_embeddings: bool = Field(
+        False,
+        description="With FP8: quantise embeddings and lm_head too (FP8 as pure wire "
+        "compression, about 3 % fewer bytes on a Qwen2-shaped model); off: they go in bf16, as "
+        "in vLLM's FP8 checkpoints.",
+    )
     wait_for_commit: bool = Field(
         True,
         description="Block the step until every live replica holds the version (needed for "

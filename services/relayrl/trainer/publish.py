@@ -91,6 +91,7 @@ class WeightSyncPublisher(WeightPublisher):
                 rank=rank,
                 world_size=world,
                 quantization=self._settings.quantization,
+                quantize_embeddings=self._settings.quantize_embeddings,
                 timeout_s=self._settings.timeout_s,
             )
         return self._sender

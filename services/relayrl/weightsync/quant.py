@@ -20,10 +20,14 @@ Names the receiver sees, following the checkpoints vLLM already loads:
   DeepSeek-V3 / Qwen3-FP8 ``weight_scale_inv`` convention (despite the name, it is multiplied:
   it is the inverse of the quantisation factor ``448 / amax``).
 
-Which tensors: only 2-D weights of linear layers (:func:`should_quantize`). Embeddings and
-``lm_head`` are lookups/logit projections whose errors land directly on token probabilities,
-norms and biases are tiny 1-D vectors whose bytes do not matter, and MoE router gates decide
-discrete expert choices that a rounding error can flip; all of those go in their own dtype.
+Which tensors: by default only 2-D weights of linear layers (:func:`should_quantize`), as
+vLLM's own FP8 checkpoints do. Embeddings and ``lm_head`` are lookups/logit projections whose
+errors land directly on token probabilities, norms and biases are tiny 1-D vectors whose bytes
+do not matter, and MoE router gates decide discrete expert choices that a rounding error can
+flip; all of those go in their own dtype. ``embeddings=True`` quantises embeddings and
+``lm_head`` too, for FP8 used purely as wire compression (the receiver dequantises): the
+embedding of a small-vocabulary-heavy model is a large share of its bytes (6 % of a 1 GiB
+Qwen2-shaped model, 14 % of Qwen2.5-7B), and its error per element is the same e4m3 bound.
 """
 
 from __future__ import annotations
@@ -47,15 +51,19 @@ QUANTIZATION_BY_MODE: dict[str, str] = {
 }
 """Mode -> the ``quantization`` string of :class:`~relayrl.weightsync.plan.Piece`."""
 
-_SKIP_NAME_PARTS = ("embed", "lm_head", "norm", "mlp.gate.", "shared_expert_gate")
+_SKIP_NAME_PARTS = ("norm", "mlp.gate.", "shared_expert_gate")
+_EMBEDDING_NAME_PARTS = ("embed", "lm_head")
 
 
-def should_quantize(name: str, tensor: torch.Tensor) -> bool:
-    """True for the 2-D floating weight of a linear layer; never for embeddings, ``lm_head``,
-    norms, biases or MoE router gates (see the module docstring for why)."""
+def should_quantize(name: str, tensor: torch.Tensor, *, embeddings: bool = False) -> bool:
+    """True for the 2-D floating weight of a linear layer, and with `embeddings` for
+    embeddings and ``lm_head``; never for norms, biases or MoE router gates (see the module
+    docstring for why)."""
     if tensor.dim() != 2 or not tensor.is_floating_point() or tensor.dtype == FP8_DTYPE:
         return False
     if not name.endswith(".weight"):
+        return False
+    if not embeddings and any(part in name for part in _EMBEDDING_NAME_PARTS):
         return False
     return not any(part in name for part in _SKIP_NAME_PARTS)
 

@@ -51,9 +51,13 @@ class SendResult:
 
 
 def export_tensors(
-    tensors: Iterable[tuple[str, torch.Tensor]], quantization: Quantization
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    quantization: Quantization,
+    *,
+    quantize_embeddings: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[common_pb2.TensorMeta]]:
-    """Boundary 1: the tensors as they go on the wire, and their manifest."""
+    """Boundary 1: the tensors as they go on the wire, and their manifest (with FP8,
+    `quantize_embeddings` quantises embeddings and lm_head too; see `relayrl.weightsync.quant`)."""
     from relayrl.weightsync.quant import quantize_fp8, scale_name, should_quantize
 
     out: dict[str, torch.Tensor] = {}
@@ -73,7 +77,7 @@ def export_tensors(
         )
 
     for name, tensor in tensors:
-        if quantization != "none" and should_quantize(name, tensor):
+        if quantization != "none" and should_quantize(name, tensor, embeddings=quantize_embeddings):
             mode, quant = _QUANT[quantization]
             q, scale = quantize_fp8(tensor, mode)
             add(scale_name(name, mode), scale.float(), common_pb2.QUANTIZATION_NONE)
@@ -91,6 +95,7 @@ class WeightSyncSender:
         rank: int = 0,
         world_size: int = 1,
         quantization: Quantization = "none",
+        quantize_embeddings: bool = False,
         timeout_s: float = 600.0,
         chunk_bytes: int = 4 * 1024 * 1024,
     ) -> None:
@@ -103,6 +108,7 @@ class WeightSyncSender:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self._rank, self._world_size = rank, world_size
         self._quantization = quantization
+        self._quantize_embeddings = quantize_embeddings
         self._timeout_s = timeout_s
         self._chunk_bytes = chunk_bytes
         self._channel = grpc.insecure_channel(
@@ -118,7 +124,9 @@ class WeightSyncSender:
         from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 
         clock = time.perf_counter()
-        wire, metas = export_tensors(tensors, self._quantization)
+        wire, metas = export_tensors(
+            tensors, self._quantization, quantize_embeddings=self._quantize_embeddings
+        )
         export_s = time.perf_counter() - clock
         try:
             plan = self._stub.Publish(

@@ -169,6 +169,31 @@ def test_should_quantize_only_linear_weights(
     assert should_quantize(name, torch.zeros(shape, dtype=torch.bfloat16)) is expected
 
 
+def test_embeddings_are_quantized_only_on_request() -> None:
+    embedding = torch.zeros(1000, 64, dtype=torch.bfloat16)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert should_quantize(name, embedding, embeddings=True)
+    # norms and router gates stay in their dtype either way
+    assert not should_quantize("model.norm.weight", torch.zeros(64), embeddings=True)
+    router = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert not should_quantize("model.layers.0.mlp.gate.weight", router, embeddings=True)
+
+
+def test_export_quantizes_embeddings_on_request() -> None:
+    from relayrl.weightsync.sender import export_tensors
+
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(256, 128),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(256, 128),
+    }
+    default, _ = export_tensors(tensors.items(), "fp8_block_128")
+    assert default["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert default["model.layers.0.mlp.up_proj.weight"].dtype == FP8_DTYPE
+    wire, metas = export_tensors(tensors.items(), "fp8_block_128", quantize_embeddings=True)
+    assert wire["model.embed_tokens.weight"].dtype == FP8_DTYPE
+    assert "model.embed_tokens.weight_scale_inv" in {m.name for m in metas}
+
+
 def test_should_quantize_skips_non_float_and_already_fp8() -> None:
     name = "model.layers.0.mlp.up_proj.weight"
     assert not should_quantize(name, torch.zeros(4, 4, dtype=torch.int64))
