@@ -244,11 +244,16 @@ class TrainingLoop:
                 logger.info("resumed from %s (next step %d)", path, common["step"])
         self.step = int(common.get("step", 0))
         self.status.step = self.step
-        self.status.published_version = self.step
         if self.leader is not None:
             self.leader.resume(
                 self.step, int(common.get("num_issued", 0)), int(common.get("refill_groups", 0))
             )
+        if self.step > 0:
+            # Rollout may hold versions published after this checkpoint, from weights this
+            # run has lost: put the engines back on the ones it continues from (collective).
+            self.publisher.publish(self.step, self.model, self.spec, supersede=True)
+            logger.info("republished version %d (the checkpoint's weights)", self.step)
+        self.status.published_version = self.step
 
     def save(self) -> None:
         from relayrl.trainer.checkpointing import save_checkpoint

@@ -23,15 +23,21 @@ from relayrl.trainer.config import (
 
 class WeightPublisher(ABC):
     @abstractmethod
-    def publish(self, version: int, model: Any, spec: Any) -> dict[str, float]:
-        """Makes `version` of `model` available to rollout; returns metrics (bytes, ...)."""
+    def publish(
+        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+    ) -> dict[str, float]:
+        """Makes `version` of `model` available to rollout; returns metrics (bytes, ...).
+        `supersede`: the trainer resumed from a checkpoint, and rollout may hold a newer
+        version than `version`, which these weights must replace."""
 
 
 class NoPublisher(WeightPublisher):
     def __init__(self, settings: NoPublishSettings, hf_dir: Path) -> None:
         pass
 
-    def publish(self, version: int, model: Any, spec: Any) -> dict[str, float]:
+    def publish(
+        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+    ) -> dict[str, float]:
         return {}
 
 
@@ -46,7 +52,9 @@ class HfDirPublisher(WeightPublisher):
     def path(self, version: int) -> Path:
         return self._settings.dir / f"v{version}"
 
-    def publish(self, version: int, model: Any, spec: Any) -> dict[str, float]:
+    def publish(
+        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+    ) -> dict[str, float]:
         from relayrl.trainer.model import save_hf_dir
 
         final = self.path(version)
@@ -96,12 +104,15 @@ class WeightSyncPublisher(WeightPublisher):
             )
         return self._sender
 
-    def publish(self, version: int, model: Any, spec: Any) -> dict[str, float]:
+    def publish(
+        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+    ) -> dict[str, float]:
         from relayrl.trainer.hf_mapping import export_hf_tensors
 
         sender = self._connect()
-        result = sender.publish(version, version, list(export_hf_tensors(model, spec)))
-        if self._settings.wait_for_commit:
+        tensors = list(export_hf_tensors(model, spec))
+        result = sender.publish(version, version, tensors, supersede=supersede)
+        if self._settings.wait_for_commit or supersede:
             sender.wait_committed(result.transfer_id, self._settings.timeout_s)
         return {
             "publish_bytes": float(result.bytes_total),

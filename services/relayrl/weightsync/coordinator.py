@@ -211,13 +211,21 @@ class Coordinator:
     # -- publish and push -----------------------------------------------------------------
 
     def publish(
-        self, version: int, trainer_step: int, metas: Sequence[common_pb2.TensorMeta]
+        self,
+        version: int,
+        trainer_step: int,
+        metas: Sequence[common_pb2.TensorMeta],
+        *,
+        supersede: bool = False,
     ) -> Transfer:
         """The plan of `version`: created by the first sender, the same for every other one
-        (whose manifest must match exactly)."""
-        if version < self.committed_version:
+        (whose manifest must match exactly). Versions only go forward, unless `supersede`
+        (a trainer resumed from an older checkpoint) replaces a newer committed one."""
+        if version < self.committed_version and not supersede:
             raise ValueError(
-                f"version {version} is older than the committed version {self.committed_version}"
+                f"version {version} is older than the committed version "
+                f"{self.committed_version}; a trainer that resumed from an older checkpoint "
+                "publishes its weights with supersede"
             )
         if not metas:
             raise ValueError("a version needs at least one tensor")

@@ -117,8 +117,15 @@ class WeightSyncSender:
         self._stub = weightsync_pb2_grpc.WeightSyncStub(self._channel)
 
     def publish(
-        self, version: int, trainer_step: int, tensors: Iterable[tuple[str, torch.Tensor]]
+        self,
+        version: int,
+        trainer_step: int,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        supersede: bool = False,
     ) -> SendResult:
+        """Export `tensors` as `version` and push this rank's share of the buckets; with
+        `supersede` the version replaces a newer committed one (a trainer that resumed)."""
         import grpc
 
         from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
@@ -135,6 +142,7 @@ class WeightSyncSender:
                     trainer_step=trainer_step,
                     tensors=metas,
                     transport=pb.TRANSPORT_TYPE_GRPC,
+                    supersede=supersede,
                 ),
                 timeout=self._timeout_s,
             ).plan

@@ -63,7 +63,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                 "plane from here to the engines is the service's data_plane.transport setting",
             )
         try:
-            transfer = self._c.publish(request.version, request.trainer_step, request.tensors)
+            transfer = self._c.publish(
+                request.version, request.trainer_step, request.tensors, supersede=request.supersede
+            )
         except PlanMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:

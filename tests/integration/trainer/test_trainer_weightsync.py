@@ -5,6 +5,7 @@ weights change with it. Rollout and reward are played by `RolloutEmulator`."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import grpc
 import pytest
@@ -33,7 +34,9 @@ def engine_state(engine: EngineProcess) -> tuple[str, str]:
     return asyncio.run(main())
 
 
-def test_every_step_is_committed_on_the_engine(redis_server, tq, model_dir, tmp_path) -> None:
+def test_every_step_is_committed_and_a_resumed_trainer_puts_its_weights_back(
+    redis_server, tq, model_dir, tmp_path
+) -> None:
     engine = EngineProcess(
         EngineConfig(model=model_dir, max_model_len=512, cache_dir=tmp_path / "cache"),
         tmp_path / "engine",
@@ -46,7 +49,7 @@ def test_every_step_is_committed_on_the_engine(redis_server, tq, model_dir, tmp_
                 redis_server,
                 model_dir,
                 tmp_path,
-                total_steps=2,
+                total_steps=3,
                 publish={"type": "weightsync", "target": weightsync.target},
             )
             emulator = RolloutEmulator(tq).start()
@@ -54,18 +57,33 @@ def test_every_step_is_committed_on_the_engine(redis_server, tq, model_dir, tmp_
                 trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
                 trainer.start(timeout_s=120)
                 assert wait_exit(trainer, 300) == 0, trainer.log()
+                assert committed(weightsync).committed.version == 3
+                label, digest = engine_state(engine)
+                assert label == "3" and digest != initial_digest
+                # The trainer crashed before its step-3 checkpoint became durable: the engine
+                # holds version 3, whose weights the resumed trainer no longer has.
+                shutil.rmtree(tmp_path / "ckpt" / f"step-{3:08d}")
+                resumed = ServiceProcess("relayrl-trainer", config, tmp_path / "t2")
+                resumed.start(timeout_s=120)
+                assert wait_exit(resumed, 300) == 0, resumed.log()
             finally:
                 emulator.stop()
-            with grpc.insecure_channel(weightsync.target) as channel:
-                version = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
-                    pb.GetVersionRequest(), timeout=10
-                )
-        assert version.committed.version == 2
-        assert [(r.version, r.live) for r in version.replicas] == [(2, True)]
-        label, digest = engine_state(engine)
-        assert label == "2" and digest != initial_digest
+            version = committed(weightsync)
+            assert "republished version 2" in resumed.log()
+            assert weightsync.log().count("version 2 committed") == 2
+        assert version.committed.version == 3
+        assert [(r.version, r.live) for r in version.replicas] == [(3, True)]
+        label, resumed_digest = engine_state(engine)
+        assert label == "3" and resumed_digest != initial_digest
     finally:
         engine.stop()
+
+
+def committed(weightsync: ServiceProcess) -> pb.GetVersionResponse:
+    with grpc.insecure_channel(weightsync.target) as channel:
+        return weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
+            pb.GetVersionRequest(), timeout=10
+        )
 
 
 def test_tp2_trainer_ranks_send_to_two_replicas(redis_server, tq, model_dir, tmp_path) -> None:
