@@ -38,6 +38,9 @@ class RelayrlWorkerExtension:
                 weights_iterator=tensors, is_checkpoint_format=True
             )
         except BaseException:
+            close = getattr(tensors, "close", None)
+            if close is not None:  # a receiving generator tells its data plane at once
+                close()
             self._relayrl_end_failed_reload()
             raise
         self._relayrl_refresh_cpu_embedding_gemm()

@@ -378,6 +378,8 @@ class _Endpoint(abc.ABC):
             return
         if isinstance(exc, TransportError):
             self._failure = exc
+        elif isinstance(exc, GeneratorExit):  # a generator around recv() was closed early
+            self._failure = self._error("the caller stopped taking buckets (its load failed)")
         else:
             self._failure = self._error(f"{type(exc).__name__}: {exc}")
         self._abort(self._failure.root_cause)
