@@ -465,6 +465,18 @@ class BucketAssembler:
         Raises :class:`BucketOrderError` unless ``index`` is the next bucket of the plan, and
         :class:`BucketChecksumError` when ``expected_sha256`` is given and does not match.
         """
+        return list(self.stream(index, data, expected_sha256=expected_sha256))
+
+    def stream(
+        self,
+        index: int,
+        data: torch.Tensor | bytes | bytearray | memoryview,
+        *,
+        expected_sha256: str | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`feed`, one tensor at a time: a consumer that drops each tensor before asking
+        for the next holds one of them, not every tensor of the bucket. The bucket counts as
+        received once the iterator is exhausted."""
         if index != self._next_index:
             raise BucketOrderError(
                 f"received bucket {index}, expected bucket {self._next_index} "
@@ -483,14 +495,12 @@ class BucketAssembler:
                 raise BucketChecksumError(
                     f"bucket {index}: sha256 {actual[:16]}… != sender's {expected_sha256[:16]}…"
                 )
-        done: list[tuple[str, torch.Tensor]] = []
         for p in layout.pieces:
             chunk = buf[p.offset_bytes : p.offset_bytes + p.size_bytes]
             finished = self._take(p, chunk)
             if finished is not None:
-                done.append(finished)
+                yield finished
         self._next_index += 1
-        return done
 
     def _take(self, p: Piece, chunk: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         if p.is_first and self._partial is not None:

@@ -307,6 +307,19 @@ def test_assembled_tensors_do_not_alias_the_bucket_buffer() -> None:
     assert_bit_exact(tensors, received)
 
 
+def test_streaming_a_bucket_hands_out_one_tensor_at_a_time() -> None:
+    tensors = {"a": torch.randn(8), "b": torch.randn(8), "c": torch.randn(8)}
+    (bucket,) = plan_buckets(specs_of(tensors), 1024)
+    assembler = BucketAssembler([bucket])
+    stream = assembler.stream(0, pack_bucket(bucket, tensors, torch.empty(1024, dtype=torch.uint8)))
+    name, first = next(stream)
+    assert name == "a" and torch.equal(first, tensors["a"])
+    assert assembler.num_buckets_received == 0  # received once the stream is exhausted
+    assert [n for n, _ in stream] == ["b", "c"]
+    assert assembler.num_buckets_received == 1
+    assembler.finish()
+
+
 def test_assembler_accepts_bytes_and_memoryview() -> None:
     tensors = {"a": torch.randn(50).bfloat16(), "b": torch.randn(90)}
     plan = plan_buckets(specs_of(tensors), 256)
