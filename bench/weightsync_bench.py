@@ -1,6 +1,8 @@
 """Moving a version: a synthetic model of about `--gib` GiB of bf16 tensors with Qwen2-like
 shapes, from 1-2 sender processes to 2 receiver processes, over each data plane, next to the
-physical limit here (loopback TCP between two processes), in one run.
+physical limit here (loopback TCP between two processes) and next to plain TCP fan-out (the
+same bytes written to each of the 2 receivers, the most any broadcast over TCP can do here), in
+one run.
 
     grpc               senders export, pack (double-buffered) and push their share of the
                        buckets to a real relayrl-weightsync process; once the version is
@@ -11,10 +13,19 @@ physical limit here (loopback TCP between two processes), in one run.
     mooncake           raw buckets written by the Mooncake transfer engine over TCP, measured
                        inside a private network namespace (it listens on every interface)
 
-GB/s are bytes each receiver gets per second. `extra` is the most a receiver's peak RSS grew
-while receiving, in buckets (the target: at most 2 beyond the model itself; these receivers
-drop each tensor once assembled, as the engine's load path consumes it). fp8_bytes compares
-the FP8 block-128 export (with scales) to the bf16 one for the same model.
+GB/s are bytes each receiver gets per second. `ratio` divides them by the physical limit (one
+TCP stream), `fan-out` by plain TCP from as many sender processes writing the same bytes to the
+same 2 receivers out of one cache-resident chunk, `fan-mem` by the same fan-out reading a
+model-sized buffer and writing into two buckets' worth, as a transfer does. The TCP baselines
+run first, each `--tcp-repeats` times interleaved; the table uses their medians (this machine
+is shared, so single runs scatter). CPU-s/GB: CPU seconds of every process plus the machine's
+softirq time per GB a receiver gets, to compare a transport's CPU cost with plain TCP's in the
+same run (on 2 cores a broadcast is CPU-bound). `extra` is the most a receiver's peak RSS rose
+above its RSS just before the transfer, with the modules it needs already imported (an engine
+imports them once, not per version), in buckets (the target: at most 2 beyond the model itself;
+these receivers drop each tensor once assembled, as the engine's load path consumes it).
+fp8_bytes compares the FP8 block-128 export (with scales, embeddings in bf16 as by default) to
+the bf16 one for the same model; the line above it also gives it with quantize_embeddings.
 
 The last line is exactly:
     weightsync-bench: best=<transport> ratio=<best GB/s / loopback TCP GB/s> fp8_bytes=<ratio>
@@ -25,9 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +48,11 @@ from typing import Any
 import torch
 
 HIDDEN, KV, FFN, VOCAB = 1024, 128, 2816, 32768
+# (senders, receivers, from memory): 1x1 is the issue's physical limit; the others write the
+# same bytes to each of 2 receivers. From memory: a sender reads its share of a model-sized
+# buffer and a receiver writes into two buckets' worth, as a transfer does, instead of one
+# cache-resident chunk.
+TCP_BASELINES = ((1, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True))
 
 
 def synthetic_model(gib: float, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -69,15 +84,6 @@ def synthetic_model(gib: float, seed: int = 0) -> list[tuple[str, torch.Tensor]]
     ]
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _grpc_sender(target: str, rank: int, world: int, gib: float, out: Any, go: Any) -> None:
     from relayrl.weightsync.sender import WeightSyncSender
 
@@ -92,10 +98,16 @@ def _grpc_sender(target: str, rank: int, world: int, gib: float, out: Any, go: A
 
 
 def _grpc_receiver(target: str, inbox: Any, out: Any) -> None:
+    import grpc  # noqa: F401 - imported once per engine process, not per version
+
+    from relayrl.core import grpc_client  # noqa: F401
+    from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc  # noqa: F401
+    from relayrl.weightsync import quant  # noqa: F401
     from relayrl.weightsync.receiver import receive_tensors
+    from relayrl.weightsync.transports.measure import PeakRssWindow
 
     transfer_id, digest = inbox.recv()  # started early: imports are not on the clock
-    before = _rss_bytes()
+    window = PeakRssWindow()
     start = time.perf_counter()
     stats: dict[str, Any] = {}
     num_bytes = 0
@@ -105,7 +117,7 @@ def _grpc_receiver(target: str, inbox: Any, out: Any) -> None:
     ):
         num_bytes += tensor.numel() * tensor.element_size()
     out.send({"pull_s": time.perf_counter() - start, "bytes": stats["bytes"],
-              "extra_bytes": _peak_rss_bytes() - before})  # fmt: skip
+              "extra_bytes": window.peak_extra_bytes()})  # fmt: skip
 
 
 def bench_grpc(gib: float, num_senders: int, bucket_bytes: int, work: Path) -> dict[str, Any]:
@@ -170,8 +182,16 @@ def bench_grpc(gib: float, num_senders: int, bucket_bytes: int, work: Path) -> d
 def bench_raw(kind: str, num_senders: int, total: int, bucket_bytes: int) -> dict[str, Any]:
     from relayrl.weightsync.transports.measure import measure_transport_gbps
 
-    r = measure_transport_gbps(kind, num_senders, 2, total, bucket_bytes)
-    return {"gbps": r["gbps"], "extra_buckets": r["peak_extra_bytes"] / bucket_bytes, "detail": ""}
+    return _raw_row(measure_transport_gbps(kind, num_senders, 2, total, bucket_bytes))
+
+
+def _raw_row(r: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "gbps": r["gbps"],
+        "extra_buckets": r["peak_extra_bytes"] / r["bucket_bytes"],
+        "cpu_s_per_gb": r["cpu_s_per_gb"],
+        "detail": "",
+    }
 
 
 def bench_mooncake(num_senders: int, total: int, bucket_bytes: int) -> dict[str, Any] | str:
@@ -191,33 +211,72 @@ def bench_mooncake(num_senders: int, total: int, bucket_bytes: int) -> dict[str,
     )  # fmt: skip
     if done.returncode != 0:
         return (done.stderr.strip().splitlines() or ["failed"])[-1][:120]
-    r = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"gbps": r["gbps"], "extra_buckets": r["peak_extra_bytes"] / bucket_bytes, "detail": ""}
+    return _raw_row(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def fp8_ratio(gib: float) -> float:
+def fp8_ratios(gib: float) -> tuple[float, float]:
+    """FP8 block-128 bytes (with scales) over bf16 bytes: the default export (embeddings in
+    bf16), and with `quantize_embeddings`."""
     from relayrl.weightsync.sender import export_tensors
 
     tensors = synthetic_model(gib)
-    bf16, _ = export_tensors(tensors, "none")
-    fp8, _ = export_tensors(tensors, "fp8_block_128")
 
     def size(d: dict[str, torch.Tensor]) -> int:
         return sum(t.numel() * t.element_size() for t in d.values())
 
-    return size(fp8) / size(bf16)
+    bf16 = size(export_tensors(tensors, "none")[0])
+    fp8 = size(export_tensors(tensors, "fp8_block_128")[0])
+    fp8_all = size(export_tensors(tensors, "fp8_block_128", quantize_embeddings=True)[0])
+    return fp8 / bf16, fp8_all / bf16
+
+
+def tcp_baselines(
+    total: int, bucket_bytes: int, repeats: int
+) -> dict[tuple[int, int, bool], list[dict[str, float]]]:
+    """`measure_tcp` of every TCP_BASELINES entry, `repeats` times, interleaved so that drift
+    in the machine's other load hits every baseline alike."""
+    from relayrl.weightsync.transports.measure import measure_tcp
+
+    runs: dict[tuple[int, int, bool], list[dict[str, float]]] = {b: [] for b in TCP_BASELINES}
+    for _ in range(repeats):
+        for senders, receivers, from_memory in TCP_BASELINES:
+            buffers = {"send_buffer_bytes": total, "recv_buffer_bytes": 2 * bucket_bytes}
+            runs[senders, receivers, from_memory].append(
+                measure_tcp(total, senders, receivers, **(buffers if from_memory else {}))
+            )
+    return runs
+
+
+def print_baselines(runs: dict[tuple[int, int, bool], list[dict[str, float]]]) -> None:
+    limit = statistics.median(r["gbps"] for r in runs[1, 1, False])
+    print(
+        f"loopback TCP, GB/s per receiver (median of {len(runs[1, 1, False])} [min-max]) and "
+        "CPU seconds per GB delivered (all processes + softirq):"
+    )
+    for (senders, receivers, from_memory), results in runs.items():
+        gbps = [r["gbps"] for r in results]
+        what = "the physical limit: `ratio`" if receivers == 1 else "fan-out: `fan-out`"
+        if from_memory:
+            what = "fan-out, model and buckets in memory: `fan-mem`"
+        print(
+            f"  {senders} -> {receivers}  {statistics.median(gbps):5.2f} "
+            f"[{min(gbps):.2f}-{max(gbps):.2f}]  "
+            f"{statistics.median(r['cpu_s_per_gb'] for r in results):.2f} CPU-s/GB  {what}"
+        )
+    best = max(statistics.median(r["gbps"] for r in v) for k, v in runs.items() if k[1] == 2)
+    print(f"  the most `ratio` a TCP broadcast to 2 receivers reached here: {best / limit:.2f}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="model size in GiB (bf16)")
     parser.add_argument("--bucket-mib", type=int, default=64)
+    parser.add_argument("--tcp-repeats", type=int, default=3, help="runs of each TCP baseline")
     args = parser.parse_args()
-    from relayrl.weightsync.transports.measure import measure_loopback_tcp_gbps
 
     bucket = args.bucket_mib << 20
     total = int(args.gib * 2**30)
-    limit = measure_loopback_tcp_gbps(total)
+    runs = tcp_baselines(total, bucket, args.tcp_repeats)
     rows: list[tuple[str, int, Any]] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         for senders in (1, 2):
@@ -233,21 +292,32 @@ def main() -> int:
             except Exception as exc:  # reported in the table
                 rows.append(("torch_distributed", senders, str(exc)[:120]))
             rows.append(("mooncake", senders, bench_mooncake(senders, total, bucket)))
-    print(f"loopback TCP between two processes: {limit:.2f} GB/s")
-    print(f"{'transport':<18}{'senders':>8}{'GB/s':>8}{'ratio':>8}{'extra':>8}  detail")
+    print_baselines(runs)
+    limits = {key: statistics.median(r["gbps"] for r in results) for key, results in runs.items()}
+    limit = limits[1, 1, False]
+    columns = ("GB/s", "ratio", "fan-out", "fan-mem", "CPU-s/GB", "extra")
+    print(f"{'transport':<18}{'senders':>8}" + "".join(f"{c:>9}" for c in columns) + "  detail")
     best = ("none", 0.0)
     for name, senders, r in rows:
         if isinstance(r, str):
-            print(f"{name:<18}{senders:>8}{'-':>8}{'-':>8}{'-':>8}  {r}")
+            print(f"{name:<18}{senders:>8}" + f"{'-':>9}" * len(columns) + f"  {r}")
             continue
-        print(
-            f"{name:<18}{senders:>8}{r['gbps']:>8.2f}{r['gbps'] / limit:>8.2f}"
-            f"{r['extra_buckets']:>8.2f}  {r['detail']}"
+        values = (
+            r["gbps"],
+            r["gbps"] / limit,
+            r["gbps"] / limits[senders, 2, False],
+            r["gbps"] / limits[senders, 2, True],
+            r.get("cpu_s_per_gb"),  # not for grpc: its service is a process of its own
+            r["extra_buckets"],
         )
+        cells = "".join(f"{'-':>9}" if v is None else f"{v:>9.2f}" for v in values)
+        print(f"{name:<18}{senders:>8}{cells}  {r['detail']}".rstrip())
         if r["gbps"] > best[1]:
             best = (name, r["gbps"])
-    ratio = fp8_ratio(args.gib)
-    print(f"weightsync-bench: best={best[0]} ratio={best[1] / limit:.2f} fp8_bytes={ratio:.3f}")
+    fp8, fp8_all = fp8_ratios(args.gib)
+    print(f"fp8 bytes / bf16 bytes: {fp8:.3f} (embeddings in bf16, the default), "
+          f"{fp8_all:.3f} (quantize_embeddings)")  # fmt: skip
+    print(f"weightsync-bench: best={best[0]} ratio={best[1] / limit:.2f} fp8_bytes={fp8:.3f}")
     return 0
 
 

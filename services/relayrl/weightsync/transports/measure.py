@@ -1,7 +1,10 @@
 """Throughput of the data-plane transports on this machine, for a bench script to print side by
-side with the physical limit (loopback TCP between two processes).
+side with the physical limit (loopback TCP between two processes) and with plain TCP fan-out
+(one or more sender processes writing the same bytes to each receiver process: the ceiling of
+any broadcast over TCP here).
 
     measure_loopback_tcp_gbps(256 << 20)
+    measure_tcp_gbps(256 << 20, num_senders=1, num_receivers=2)
     measure_transport_gbps("torch_distributed", 1, 2, 256 << 20, 32 << 20)
 
 Every sender and receiver is its own process (multiprocessing "spawn"), so the numbers include
@@ -16,13 +19,17 @@ Mooncake listens on every interface: measure it inside a private network namespa
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import multiprocessing
 import os
 import resource
 import socket
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 from typing import Any
@@ -42,50 +49,290 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+class PeakRssWindow:
+    """How far this process's RSS rose above its RSS at construction (the baseline).
+
+    The kernel's high-water mark is reset at construction (Linux >= 4.0: `/proc/self/clear_refs`
+    "5"), so a peak from before the window (imports, set-up, a spawned child's inherited mark)
+    is not counted; where it cannot be reset, `ru_maxrss` (the lifetime peak) stands in. Start
+    it after the imports a warm process already has: those are paid once per process, not per
+    transfer."""
+
+    def __init__(self) -> None:
+        self.baseline_bytes = _rss_bytes()
+        try:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")
+            self.resettable = True
+        except OSError:
+            self.resettable = False
+
+    def peak_bytes(self) -> int:
+        if self.resettable:
+            with open("/proc/self/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024  # kB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+    def peak_extra_bytes(self) -> int:
+        return self.peak_bytes() - self.baseline_bytes
 
 
-def _tcp_receiver(num_bytes: int, out: Connection) -> None:
+def _touched_buffer(num_bytes: int) -> memoryview:
+    """`num_bytes` of memory with every page already faulted in (a zeroed allocation maps the
+    shared zero page, which would make reading it unrealistically cheap)."""
+    return memoryview(bytearray(b"\xa5") * num_bytes)
+
+
+def _recv_exactly(
+    connection: socket.socket, num_bytes: int, chunk_bytes: int, buffer: memoryview
+) -> None:
+    """Receive `num_bytes` into `buffer`, chunk by chunk, wrapping around at its end."""
+    received = offset = 0
+    while received < num_bytes:
+        if offset + chunk_bytes > len(buffer):
+            offset = 0
+        count = connection.recv_into(buffer[offset:], min(chunk_bytes, num_bytes - received))
+        if count == 0:
+            raise ConnectionError("a sender closed early")
+        received += count
+        offset += count
+
+
+def _send_exactly(
+    connection: socket.socket, num_bytes: int, chunk_bytes: int, payload: memoryview
+) -> None:
+    """Send `num_bytes` out of `payload`, chunk by chunk, wrapping around at its end."""
+    sent = offset = 0
+    while sent < num_bytes:
+        if offset + chunk_bytes > len(payload):
+            offset = 0
+        count = min(chunk_bytes, num_bytes - sent)
+        connection.sendall(payload[offset : offset + count])
+        sent += count
+        offset += count
+
+
+def _on_threads(work: list[Callable[[], None]]) -> None:
+    """Run every callable at once, one thread each (the socket calls release the GIL); the
+    first failure is raised."""
+    if len(work) == 1:
+        work[0]()
+        return
+    failures: list[BaseException] = []
+
+    def run(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # re-raised in the caller below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(job,), daemon=True) for job in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+
+
+def _share_bytes(num_bytes: int, num_senders: int, sender: int) -> int:
+    return num_bytes // num_senders + (sender < num_bytes % num_senders)
+
+
+class _CpuClocks:
+    """CPU time of one side of a transfer: this process's user + system time, and the machine's
+    softirq time (where loopback TCP does its receive processing; kernels with IRQ time
+    accounting charge it to no process) as counter readings, which `_total_cpu_s` turns into
+    one span over every side."""
+
+    def __init__(self) -> None:
+        self._process_s = self._process_now_s()
+        self._softirq_start_s = self._softirq_now_s()
+
+    @staticmethod
+    def _process_now_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    @staticmethod
+    def _softirq_now_s() -> float:
+        with open("/proc/stat") as stat:
+            return int(stat.readline().split()[7]) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> dict[str, float]:
+        return {
+            "process_cpu_s": self._process_now_s() - self._process_s,
+            "softirq_start_s": self._softirq_start_s,
+            "softirq_end_s": self._softirq_now_s(),
+        }
+
+
+def _total_cpu_s(sides: list[dict[str, Any]]) -> float:
+    """Every side's own CPU time plus the machine's softirq time from the first side's start
+    to the last side's end (other load adds a little of its own there)."""
+    softirq_s = max(s["softirq_end_s"] for s in sides) - min(s["softirq_start_s"] for s in sides)
+    return sum(s["process_cpu_s"] for s in sides) + softirq_s
+
+
+def _tcp_receiver(
+    num_bytes: int, num_senders: int, chunk_bytes: int, buffer_bytes: int, out: Connection
+) -> None:
+    buffers = [
+        _touched_buffer(max(chunk_bytes, buffer_bytes // num_senders)) for _ in range(num_senders)
+    ]
     with socket.create_server(("127.0.0.1", 0)) as listener:
         out.send(listener.getsockname()[1])
-        connection, _ = listener.accept()
-    with connection:
-        buffer = memoryview(bytearray(_CHUNK_BYTES))
-        received = 0
-        while received < num_bytes:
-            count = connection.recv_into(buffer, min(_CHUNK_BYTES, num_bytes - received))
-            if count == 0:
-                raise ConnectionError("the sender closed early")
-            received += count
-        connection.sendall(b"k")
+        accepted = [listener.accept()[0] for _ in range(num_senders)]
+    # A sender says who it is first, so each connection knows its share.
+    senders = {int.from_bytes(c.recv(1, socket.MSG_WAITALL), "big"): c for c in accepted}
+    try:
+        clocks = _CpuClocks()  # waiting for the first byte costs no CPU
+        _on_threads(
+            [
+                functools.partial(
+                    _recv_exactly,
+                    c,
+                    _share_bytes(num_bytes, num_senders, s),
+                    chunk_bytes,
+                    buffers[s],
+                )
+                for s, c in senders.items()
+            ]
+        )
+        ended, cpu = time.time(), clocks.stop()
+        for connection in accepted:
+            connection.sendall(b"k")
+    finally:
+        for connection in accepted:
+            connection.close()
+    out.send({"ended": ended, **cpu})
+
+
+def _tcp_sender(
+    num_bytes: int,
+    num_senders: int,
+    sender: int,
+    ports: list[int],
+    chunk_bytes: int,
+    buffer_bytes: int,
+    barrier: Barrier,
+    out: Connection,
+) -> None:
+    share = _share_bytes(num_bytes, num_senders, sender)
+    payload = _touched_buffer(max(chunk_bytes, min(buffer_bytes, share)))
+    connections = [socket.create_connection(("127.0.0.1", port)) for port in ports]
+    try:
+        for connection in connections:
+            connection.sendall(sender.to_bytes(1, "big"))
+        barrier.wait(_WAIT_S)
+        started, clocks = time.time(), _CpuClocks()
+        _on_threads(
+            [functools.partial(_send_exactly, c, share, chunk_bytes, payload) for c in connections]
+        )
+        for connection in connections:
+            if connection.recv(1) != b"k":
+                raise ConnectionError("a receiver did not confirm")
+        cpu = clocks.stop()
+    finally:
+        for connection in connections:
+            connection.close()
+    out.send({"started": started, **cpu})
+
+
+def measure_tcp(
+    num_bytes: int,
+    num_senders: int = 1,
+    num_receivers: int = 1,
+    chunk_bytes: int = _CHUNK_BYTES,
+    *,
+    send_buffer_bytes: int = 0,
+    recv_buffer_bytes: int = 0,
+) -> dict[str, float]:
+    """Plain TCP over loopback: `num_senders` processes each write their share of `num_bytes` to
+    each of `num_receivers` processes (one connection and one thread per pair, `sendall` /
+    `recv_into` of `chunk_bytes`), so every receiver gets `num_bytes`. With one receiver it is
+    the ceiling of any TCP-based transport; with more it is the ceiling of any broadcast over
+    TCP here (the same bytes written once per receiver, as gloo and Mooncake do). Clock: from
+    the senders' start (a barrier) to the last receiver holding its last byte.
+
+    By default a sender sends one `chunk_bytes` buffer over and over and a receiver receives
+    into one, which stay in the CPU caches: the most TCP can do. A transfer reads a model from
+    memory and writes buckets there: `send_buffer_bytes` (a sender cycles through that much, at
+    most its share) and `recv_buffer_bytes` (a receiver cycles through that much, split between
+    its senders) make the baseline do the same.
+
+    Returns gbps (per receiver) and cpu_s_per_gb: CPU seconds (every process's user + system
+    time, plus the machine's softirq time meanwhile) per 1e9 bytes delivered to a receiver, to
+    set a transport's CPU cost beside plain TCP's (other load moves it far less than gbps)."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(num_senders)
+    processes, readers = [], []
+
+    def start(target: Callable[..., None], *args: Any) -> Connection:
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(target=target, args=(*args, writer), daemon=True)
+        process.start()
+        writer.close()
+        processes.append(process)
+        readers.append(reader)
+        return reader
+
+    try:
+        receivers = [
+            start(_tcp_receiver, num_bytes, num_senders, chunk_bytes, recv_buffer_bytes)
+            for _ in range(num_receivers)
+        ]
+        ports = [_report(reader, "TCP receiver") for reader in receivers]
+        senders = [
+            start(
+                _tcp_sender,
+                num_bytes,
+                num_senders,
+                s,
+                ports,
+                chunk_bytes,
+                send_buffer_bytes,
+                barrier,
+            )
+            for s in range(num_senders)
+        ]
+        ends = [_report(reader, "TCP receiver") for reader in receivers]
+        starts = [_report(reader, "TCP sender") for reader in senders]
+        for process in processes:
+            process.join(_WAIT_S)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    elapsed_s = max(r["ended"] for r in ends) - min(r["started"] for r in starts)
+    return {
+        "gbps": num_bytes / elapsed_s / 1e9,
+        "cpu_s_per_gb": _total_cpu_s(ends + starts) / (num_bytes * num_receivers / 1e9),
+    }
+
+
+def measure_tcp_gbps(
+    num_bytes: int, num_senders: int = 1, num_receivers: int = 1, chunk_bytes: int = _CHUNK_BYTES
+) -> float:
+    """GB/s per receiver of `measure_tcp`."""
+    return measure_tcp(num_bytes, num_senders, num_receivers, chunk_bytes)["gbps"]
 
 
 def measure_loopback_tcp_gbps(num_bytes: int) -> float:
     """GB/s of one plain TCP stream over loopback between two processes: the ceiling any
     TCP-based transport can reach here."""
-    context = multiprocessing.get_context("spawn")
-    reader, writer = context.Pipe(duplex=False)
-    receiver = context.Process(target=_tcp_receiver, args=(num_bytes, writer), daemon=True)
-    receiver.start()
+    return measure_tcp_gbps(num_bytes, 1, 1)
+
+
+def _report(reader: Connection, who: str) -> Any:
+    if not reader.poll(_WAIT_S):
+        raise TimeoutError(f"a {who} did not report within {_WAIT_S:g} s")
     try:
-        port = reader.recv()
-        payload = memoryview(bytes(_CHUNK_BYTES))
-        with socket.create_connection(("127.0.0.1", port)) as connection:
-            started = time.perf_counter()
-            sent = 0
-            while sent < num_bytes:
-                count = min(_CHUNK_BYTES, num_bytes - sent)
-                connection.sendall(payload[:count])
-                sent += count
-            if connection.recv(1) != b"k":
-                raise ConnectionError("the receiver did not confirm")
-            elapsed_s = time.perf_counter() - started
-        receiver.join(_WAIT_S)
-    finally:
-        if receiver.is_alive():
-            receiver.kill()
-    return num_bytes / elapsed_s / 1e9
+        return reader.recv()
+    except EOFError:
+        raise RuntimeError(f"a {who} failed (its traceback is on stderr)") from None
 
 
 def _transport_role(
@@ -93,28 +340,37 @@ def _transport_role(
 ) -> None:
     import torch
 
-    from relayrl.weightsync.transports.base import TransportSpec, open_sink, open_source
+    from relayrl.weightsync.transports.base import (
+        TRANSPORTS,
+        TransportSpec,
+        open_sink,
+        open_source,
+    )
 
     spec = TransportSpec.from_json(spec_json)
     model = None
     if role == "sender":  # every sender holds the whole exported model
         model = torch.empty(spec.total_bytes, dtype=torch.uint8).random_()
-    rss_before_open_bytes = _rss_bytes()
+    # The backend's modules first: an engine imports them once, not once per transfer.
+    importlib.import_module(TRANSPORTS[spec.type][role == "receiver"].partition(":")[0])
+    window = PeakRssWindow()
     if role == "sender":
         sink = open_sink(spec, rank)
         offsets = [0]
         for size in spec.bucket_sizes:
             offsets.append(offsets[-1] + size)
+        set_up_bytes = _rss_bytes() - window.baseline_bytes
         barrier.wait(_WAIT_S)
-        started = time.time()
+        started, clocks = time.time(), _CpuClocks()
         assert model is not None
         with sink:
             for index in spec.buckets_of(rank):
                 sink.send(index, model[offsets[index] : offsets[index + 1]])
     else:
         source = open_source(spec, rank)
+        set_up_bytes = _rss_bytes() - window.baseline_bytes
         barrier.wait(_WAIT_S)
-        started = time.time()
+        started, clocks = time.time(), _CpuClocks()
         with source:
             for index in range(spec.num_buckets):
                 source.recv(index)[-1].item()  # touch it, as a loader would
@@ -124,7 +380,9 @@ def _transport_role(
             "role": role,
             "started": started,
             "ended": received if role == "receiver" else time.time(),
-            "peak_extra_bytes": _peak_rss_bytes() - rss_before_open_bytes,
+            **clocks.stop(),
+            "set_up_extra_bytes": set_up_bytes,
+            "peak_extra_bytes": window.peak_extra_bytes(),
         }
     )
 
@@ -136,8 +394,10 @@ def measure_transport_gbps(
     `num_senders` to `num_receivers` processes over transport `type`.
 
     Returns gbps (per receiver), aggregate_gbps (all receivers together), elapsed_s,
-    num_buckets and peak_extra_bytes: the most a receiver's peak RSS grew past its RSS before
-    the transfer was set up (the two receive buffers plus the transport's own)."""
+    num_buckets, peak_extra_bytes: the most a receiver's peak RSS rose above its RSS before the
+    transfer was set up, with the backend's modules already imported (the two receive buffers
+    plus the transport's own: connections, threads), and set_up_extra_bytes: how much of that
+    was there once set up, before the first bucket, and cpu_s_per_gb as `measure_tcp` has it."""
     from relayrl.weightsync.transports.base import TransportSpec
 
     if type == "mooncake" and set(os.listdir("/sys/class/net")) - {"lo"}:
@@ -189,7 +449,8 @@ def measure_transport_gbps(
             if process.is_alive():
                 process.kill()
     started = min(r["started"] for r in reports)
-    elapsed_s = max(r["ended"] for r in reports if r["role"] == "receiver") - started
+    receivers = [r for r in reports if r["role"] == "receiver"]
+    elapsed_s = max(r["ended"] for r in receivers) - started
     gbps = total_bytes / elapsed_s / 1e9
     return {
         "type": type,
@@ -201,7 +462,9 @@ def measure_transport_gbps(
         "gbps": gbps,
         "aggregate_gbps": gbps * num_receivers,
         "elapsed_s": elapsed_s,
-        "peak_extra_bytes": max(r["peak_extra_bytes"] for r in reports if r["role"] == "receiver"),
+        "peak_extra_bytes": max(r["peak_extra_bytes"] for r in receivers),
+        "set_up_extra_bytes": max(r["set_up_extra_bytes"] for r in receivers),
+        "cpu_s_per_gb": _total_cpu_s(reports) / (total_bytes * num_receivers / 1e9),
     }
 
 
@@ -216,7 +479,14 @@ def main() -> None:
         "--shapes", nargs="+", default=["1x1", "1x2", "2x2"], help="SENDERSxRECEIVERS"
     )
     args = parser.parse_args()
-    print(json.dumps({"loopback_tcp_gbps": measure_loopback_tcp_gbps(args.bytes)}), flush=True)
+    tcp = {"loopback_tcp_gbps": measure_loopback_tcp_gbps(args.bytes)}
+    for shape in args.shapes:
+        num_senders, num_receivers = (int(n) for n in shape.split("x"))
+        if num_receivers > 1:
+            tcp[f"fanout_tcp_gbps_{shape}"] = measure_tcp_gbps(
+                args.bytes, num_senders, num_receivers
+            )
+    print(json.dumps(tcp), flush=True)
     for transport in args.transports:
         for shape in args.shapes:
             num_senders, num_receivers = (int(n) for n in shape.split("x"))
