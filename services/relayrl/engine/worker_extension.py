@@ -139,9 +139,23 @@ class RelayrlWorkerExtension:
             dtype=dtype,
             worker_rank=int(getattr(self, "rank", 0)),
             resources=self._relayrl_data_plane_resources(request),
+            engine_fp8=self._relayrl_fp8_checkpoint_format(),
         )
         self._relayrl_reload(tensors)
         return stats
+
+    def _relayrl_fp8_checkpoint_format(self) -> str | None:
+        """ "per_tensor" or "block_128" when this engine serves an FP8 checkpoint (it loads FP8
+        weights and their scales as they are), None when it loads bf16/fp16 weights (FP8 from
+        weight-sync is then dequantised on the way). UNTESTED on an FP8 engine: vLLM's FP8
+        kernels need a GPU."""
+        quant_config = getattr(self.model_runner.vllm_config, "quant_config", None)  # type: ignore[attr-defined]
+        if not getattr(quant_config, "is_checkpoint_fp8_serialized", False):
+            return None
+        block = getattr(quant_config, "weight_block_size", None)
+        if not block:
+            return "per_tensor"
+        return "block_128" if list(block) == [128, 128] else f"block_{'x'.join(map(str, block))}"
 
     def _relayrl_data_plane_resources(self, request: dict[str, Any]) -> dict[str, Any]:
         """One Mooncake engine per worker, kept across versions (starting and stopping one per

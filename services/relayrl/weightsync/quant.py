@@ -52,7 +52,8 @@ QUANTIZATION_BY_MODE: dict[str, str] = {
 """Mode -> the ``quantization`` string of :class:`~relayrl.weightsync.plan.Piece`."""
 
 _SKIP_NAME_PARTS = ("norm", "mlp.gate.", "shared_expert_gate")
-_EMBEDDING_NAME_PARTS = ("embed", "lm_head")
+EMBEDDING_NAME_PARTS = ("embed", "lm_head")
+"""Name parts of embeddings and lm_head: FP8 engines keep these in bf16."""
 
 
 def should_quantize(name: str, tensor: torch.Tensor, *, embeddings: bool = False) -> bool:
@@ -63,7 +64,7 @@ def should_quantize(name: str, tensor: torch.Tensor, *, embeddings: bool = False
         return False
     if not name.endswith(".weight"):
         return False
-    if not embeddings and any(part in name for part in _EMBEDDING_NAME_PARTS):
+    if not embeddings and any(part in name for part in EMBEDDING_NAME_PARTS):
         return False
     return not any(part in name for part in _SKIP_NAME_PARTS)
 

@@ -67,13 +67,16 @@ def receive_tensors(
     *,
     worker_rank: int = 0,
     resources: dict[str, Any] | None = None,
+    engine_fp8: str | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of the transfer `request["transfer_id"]`, whose plan comes from the
     weight-sync service at `request["target"]` and whose buckets come over
     `request["transport"]` (default grpc). For a broadcast data plane the request also holds
     `spec` (the TransportSpec as JSON), `receiver_rank_base` (this replica's first receiver
     rank; `worker_rank` is added) and `bucket_sha256` (what every bucket must hash to);
-    `resources` go to the transport (a reused Mooncake engine). Fills `stats` with the loaded
+    `resources` go to the transport (a reused Mooncake engine). `engine_fp8` ("per_tensor" |
+    "block_128"): the engine serves an FP8 checkpoint in that format, so FP8 tensors and their
+    scales are passed on as they are instead of dequantised. Fills `stats` with the loaded
     buckets' sha256 (in plan order), bytes and seconds."""
     import grpc
 
@@ -108,7 +111,7 @@ def receive_tensors(
                 request, layouts, request["receiver_rank_base"] + worker_rank, resources or {}
             )
         digests: list[str] = []
-        yield from _tensors(plan, layouts, buckets, dtype, digests)
+        yield from _tensors(plan, layouts, buckets, dtype, digests, engine_fp8)
         if len(digests) != len(layouts):
             raise ReceiveError(
                 f"transport: {len(digests)} of {len(layouts)} buckets of {transfer_id} arrived"
@@ -133,26 +136,33 @@ def _tensors(
     buckets: Buckets,
     dtype: torch.dtype,
     digests: list[str],
+    engine_fp8: str | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Buckets cut back into tensors, FP8 ones dequantised; appends each bucket's sha256."""
-    from relayrl.weightsync.quant import dequantize_fp8
+    """Buckets cut back into tensors; FP8 ones dequantised to `dtype`, or, for an engine that
+    loads FP8 in the `engine_fp8` format, passed on with their scales (except embeddings and
+    lm_head, which FP8 engines keep in bf16). Appends each bucket's sha256 to `digests`."""
+    from relayrl.weightsync.quant import EMBEDDING_NAME_PARTS, dequantize_fp8
 
-    quant = {
-        t.name: (QUANT_MODES[t.quantization], t.scale_name)
-        for b in plan.buckets
-        for t in b.tensors
-        if t.quantization in QUANT_MODES
-    }
-    scale_names = {scale for _, scale in quant.values()}
+    dequantized: dict[str, tuple[str, str]] = {}  # weight -> (mode, its scale's name)
+    for t in (t for b in plan.buckets for t in b.tensors if t.quantization in QUANT_MODES):
+        mode = QUANT_MODES[t.quantization]
+        if engine_fp8 is None or any(part in t.name for part in EMBEDDING_NAME_PARTS):
+            dequantized[t.name] = (mode, t.scale_name)
+        elif mode != engine_fp8:
+            raise ReceiveError(
+                f"export: {t.name} comes as FP8 {mode} but the engine loads FP8 {engine_fp8}; "
+                f"publish with quantization fp8_{engine_fp8}"
+            )
+    scale_names = {scale for _, scale in dequantized.values()}
     scales: dict[str, torch.Tensor] = {}
     assembler = BucketAssembler(layouts)
     for index, data, digest in buckets:
         digests.append(digest)
         for name, tensor in assembler.stream(index, data):
-            if name in scale_names:
+            if name in scale_names:  # planned before its weight
                 scales[name] = tensor
-            elif name in quant:
-                mode, scale_name = quant[name]
+            elif name in dequantized:
+                mode, scale_name = dequantized[name]
                 yield name, dequantize_fp8(tensor, scales.pop(scale_name), mode, dtype)
             else:
                 yield name, tensor
