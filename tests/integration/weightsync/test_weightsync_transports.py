@@ -31,6 +31,8 @@ from relayrl.weightsync.transports.base import (
 ROLES = Path(__file__).with_name("weightsync_transport_roles.py")
 KIB = 1024
 TIMEOUT_S = 20.0  # deadline of every wait in the scenarios that must fail fast
+KILLED_TIMEOUT_S = 60.0  # a weight-sync service waits minutes; a death must not cost that
+FAST_S = 10.0  # "at once", with room for a loaded 2-core machine
 ABSENT_TIMEOUT_S = 3.0  # deadline of the scenario whose peer never shows up
 LINGER_S = 3.0  # a failed role stays alive this long, as a trainer or engine would
 
@@ -58,7 +60,7 @@ SCENARIOS: list[dict[str, Any]] = [
         "num_senders": 2,
         "num_receivers": 2,
         "bucket_sizes": [1024 * KIB] * 8 + [12_345],
-        "timeout_s": TIMEOUT_S,
+        "timeout_s": KILLED_TIMEOUT_S,
         "seed": 3,
         "kill_receiver": [1, 2],
         "linger_s": LINGER_S,
@@ -162,12 +164,13 @@ def test_receiver_killed_mid_transfer_fails_the_others_fast(report: dict[str, An
     survivors = {name: r for name, r in results.items() if name != "receiver 1"}
     for name, result in survivors.items():
         assert_transport_error(result, name)
-        # never a hang: every survivor is out by its deadline (plus teardown)
-        assert result["at"] - killed_at < TIMEOUT_S + 10, f"{name} outlived its deadline"
-    # and the abort reaches them long before it: on a loaded machine a sender blocked inside a
-    # gloo collective may still wait for gloo's own timeout, but not everyone does
-    fastest = min(result["at"] for result in survivors.values())
-    assert fastest - killed_at < TIMEOUT_S / 2, "every survivor failed only at its deadline"
+        # Every survivor, not just the first one. torch_distributed: gloo does not fail a
+        # broadcast whose bytes were in flight to or from the dead peer until its timeout (the
+        # transport's lifelines end it), and the abort key vanishes with a failing sender 0.
+        waited_s = result["at"] - killed_at
+        assert waited_s < FAST_S, f"{name} failed {waited_s:.1f} s after the kill: {result}"
+    for s in range(2):  # the senders say which receiver they lost
+        assert "receiver 1" in survivors[f"sender {s}"]["error"]
     # The senders stay alive after failing (as a trainer does): receiver 0 must not need their
     # exit to learn that the transfer is over.
     first_sender_failure = min(survivors[f"sender {s}"]["at"] for s in range(2))

@@ -6,6 +6,7 @@ prints what each of them saw as one JSON object (the last line of stdout).
 SCENARIOS_JSON is a list of scenarios: {"name", "type", "num_senders", "num_receivers",
 "bucket_sizes", "timeout_s", "seed", optional "absent": [receiver ranks never started],
 "kill_receiver": [rank, after_bucket] (SIGKILLs itself once it holds that bucket),
+"kill_sender": [rank, after_bucket] (SIGKILLs itself once send() of that bucket returned),
 "wrong_size": [sender rank, bucket] (sends that bucket one byte too long),
 "raise_in_receiver": [rank, bucket] (its caller fails while holding that bucket),
 "repeat": transfers in a row (mooncake roles then keep one MooncakeEngine for all),
@@ -87,7 +88,7 @@ def engine_resources(spec: TransportSpec, scenario: dict[str, Any]) -> dict[str,
 
 
 def run_sender(spec: TransportSpec, rank: int, scenario: dict[str, Any], out: Connection) -> None:
-    wrong = scenario.get("wrong_size")
+    wrong, kill = scenario.get("wrong_size"), scenario.get("kill_sender")
     resources = engine_resources(spec, scenario)
     for k, transfer in enumerate(transfer_specs(spec, scenario)):
         with open_sink(transfer, rank, **resources) as sink:
@@ -102,6 +103,9 @@ def run_sender(spec: TransportSpec, rank: int, scenario: dict[str, Any], out: Co
                 except TransportError:
                     out.send({"event": "send_failed", "index": index, "at": time.time()})
                     raise
+                if kill == [rank, index]:
+                    out.send({"event": "killed", "index": index, "at": time.time()})
+                    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_receiver(
