@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 ABORT_KEY = "abort"
 _STORE_TIMEOUT_FOR_ABORT = timedelta(seconds=1)
 _WATCH_S = 0.25  # how often a wait looks at the lifelines and the abort key
+_RECEIVER_GRACE_S = 2.0  # a receiver waits this much longer for a group than its sender
 _ATTRIBUTE_S = 1.0  # after a gloo error: how long to wait for the peer failure behind it
 _FIRST_POLL_SLEEP_S = 0.00005
 _MAX_POLL_SLEEP_S = 0.001
@@ -120,12 +121,16 @@ def _build_group(
     store: Store, spec: TransportSpec, group_of: int, group_rank: int, who: str
 ) -> ProcessGroup:
     """The group of sender `group_of` (sender = group rank 0, receiver r = 1 + r); blocks until
-    every member has joined, at most `timeout_s`."""
+    every member has joined, at most `timeout_s` for the sender and a little longer for a
+    receiver: the sender, whose store knows who never came, gives up first and says so on the
+    lifelines, so a receiver can name the missing member even though the store went down with
+    the sender."""
     import torch.distributed as dist
 
     group_store = dist.PrefixStore(f"group{group_of}/", store)
     size = 1 + spec.num_receivers
-    timeout = timedelta(seconds=spec.timeout_s)
+    timeout_s = spec.timeout_s if group_rank == 0 else spec.timeout_s + _RECEIVER_GRACE_S
+    timeout = timedelta(seconds=timeout_s)
     try:
         if spec.device == "cuda":  # UNTESTED here: needs one GPU per rank
             nccl_options = dist.ProcessGroupNCCL.Options()
@@ -147,7 +152,7 @@ def _build_group(
         absent = f"; never showed up: {', '.join(missing)}" if missing else ""
         raise TransportError(
             f"the process group of {sender_name(group_of)} did not form within "
-            f"{spec.timeout_s:g} s{absent} ({exc})",
+            f"{timeout_s:g} s{absent} ({exc})",
             transfer_id=spec.transfer_id,
             peer=", ".join(missing) if missing else who,
         ) from exc
@@ -431,8 +436,9 @@ class TorchDistributedSink(_StoreEndpoint, BucketSink):
             self._store = open_rendezvous_store(spec, host_it=sender_rank == 0, who=self.name)
             self._store.set(_present_key(self.name), "1")
             self._listen()
-            self._group = _build_group(self._store, spec, sender_rank, 0, self.name)
+            # Lifelines first: if a receiver never comes, those that did hear who it was.
             self._accept_lifelines()
+            self._group = _build_group(self._store, spec, sender_rank, 0, self.name)
         except BaseException as exc:
             self._fail_set_up(exc)
             raise
@@ -445,8 +451,8 @@ class TorchDistributedSink(_StoreEndpoint, BucketSink):
         self._store.set(_lifeline_key(self.sender_rank), f"{host}:{port}")
 
     def _accept_lifelines(self) -> None:
-        """One lifeline from every receiver: they connect before joining the group, which has
-        formed, so they wait in the backlog."""
+        """One lifeline from every receiver (each connects before it joins the group), at most
+        `timeout_s`; a TransportError names the receivers that never connected."""
         assert self._listener is not None
         deadline = Deadline(self.spec.timeout_s)
         joined: set[int] = set()
@@ -540,9 +546,7 @@ class TorchDistributedSource(_StoreEndpoint, BucketSource):
             for s in range(spec.num_senders):
                 lifeline = _connect_lifeline(self._store, spec, s, receiver_rank)
                 self._lifelines.add(sender_name(s), lifeline)
-                self._groups.append(
-                    _build_group(self._store, spec, s, 1 + receiver_rank, self.name)
-                )
+                self._groups.append(self._join_group(s))
             device = torch.device(spec.device) if spec.device == "cpu" else _current_cuda()
             self._buffers = [
                 torch.empty(spec.max_bucket_bytes, dtype=torch.uint8, device=device)
@@ -553,6 +557,26 @@ class TorchDistributedSource(_StoreEndpoint, BucketSource):
         except BaseException as exc:
             self._fail_set_up(exc)
             raise
+
+    def _join_group(self, sender_rank: int) -> ProcessGroup:
+        """The group of sender `sender_rank`. When it does not form, the sender has usually
+        given up first and taken the store, and with it the names of the members that never
+        came, down: its abort, on the lifeline, says who they were."""
+        assert self._store is not None
+        try:
+            return _build_group(
+                self._store, self.spec, sender_rank, 1 + self.receiver_rank, self.name
+            )
+        except TransportError as exc:
+            failure = self._peer_failure(wait_s=_ATTRIBUTE_S)
+            if failure is None or failure.root_cause is None:
+                raise
+            raise TransportError(
+                f"the process group of {sender_name(sender_rank)} did not form ({failure.reason})",
+                transfer_id=self.spec.transfer_id,
+                peer=failure.peer,
+                root_cause=failure.root_cause,
+            ) from exc
 
     def _view(self, index: int) -> torch.Tensor:
         return self._buffers[index % 2][: self.spec.bucket_sizes[index]]
