@@ -134,6 +134,14 @@ class AlgorithmSettings(StrictModel):
     dapo_filter: bool = Field(
         True, description="Skip groups without signal (no/one valid member, zero reward std)."
     )
+    refill_per_filtered: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="Prompts issued at once for each group without signal. 1 replaces it; 2 is "
+        "the seed's refill credit, which runs away while half or more of the groups have no "
+        "signal (each filtered group then begets more than one filtered group on average).",
+    )
     advantage: AdvantageSettings = Field(default_factory=AdvantageSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
     staleness: StalenessSettings = Field(default_factory=StalenessSettings)

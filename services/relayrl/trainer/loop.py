@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from relayrl.trainer.rollout_link import GatewayLink
 from relayrl.trainer.step import DataParallel, PolicyUpdater, StepResult
 
 logger = logging.getLogger(__name__)
+
+ANNOUNCE_INTERVAL_S = 5.0
+"""How often a waiting leader repeats UpdatePolicyStep to the gateway."""
 
 
 class State(enum.Enum):
@@ -125,9 +129,11 @@ class Leader:
             threshold=algorithm.staleness_threshold,
             poll_interval_s=data.poll_interval_s,
             wait_timeout_s=data.wait_timeout_s,
+            refill_per_filtered=algorithm.refill_per_filtered,
         )
         self.refill_groups = 0
         self.gateway = GatewayLink(config.gateway) if config.gateway is not None else None
+        self._announced_at = 0.0
 
     def resume(self, step: int, num_issued: int, refill_groups: int) -> None:
         self.refill_groups = refill_groups
@@ -142,15 +148,42 @@ class Leader:
                 logger.info("resume: %d groups were issued after the checkpoint", skipped)
 
     def feed(self, step: int) -> None:
+        """Issues the prompts step `step` needs (its batch, eta steps ahead, and the refills
+        granted so far) and tells the gateway the step, so its throttle admits them."""
         algorithm = self.config.algorithm
         if self.feeder is not None:
             target = self.mode.groups_to_issue(step, algorithm.train_batch_groups, algorithm.eta)
             self.feeder.issue_up_to(target + self.refill_groups, step)
-        if self.gateway is not None:
-            self.gateway.update_policy_step(step, algorithm.train_batch_groups, self.refill_groups)
+        self._announce(step)
 
-    def _refill(self, count: int) -> None:
+    def _announce(self, step: int) -> None:
+        """UpdatePolicyStep, once. A gateway that is down or restarting is not an error: the
+        leader announces again every `ANNOUNCE_INTERVAL_S` while it waits (`_on_wait`), so a
+        restarted gateway, which starts at step 0, learns the step within seconds."""
+        self._announced_at = time.monotonic()
+        if self.gateway is None:
+            return
+        try:
+            self.gateway.update_policy_step(
+                step, self.config.algorithm.train_batch_groups, self.refill_groups, attempts=1
+            )
+        except grpc.RpcError as exc:
+            logger.warning(
+                "could not tell the gateway step %d (%s: %s); retrying while waiting",
+                step,
+                exc.code().name,
+                exc.details(),
+            )
+
+    def _on_wait(self, step: int) -> None:
+        if time.monotonic() - self._announced_at >= ANNOUNCE_INTERVAL_S:
+            self._announce(step)
+
+    def _refill(self, step: int, count: int) -> None:
+        """Replacements for groups the step could not use are issued at once: the step is
+        still waiting for them."""
         self.refill_groups += count
+        self.feed(step)
 
     def judge(self, group: GroupWithTrajectories) -> Verdict:
         valid = [is_valid(t) for t in group.trajectories]
@@ -170,7 +203,12 @@ class Leader:
         self, step: int, stop: Callable[[], bool]
     ) -> tuple[list[ScoredGroup], StepMetrics, float]:
         sample = self.sampler.sample(
-            step, self.config.algorithm.train_batch_groups, self.judge, self._refill, stop
+            step,
+            self.config.algorithm.train_batch_groups,
+            self.judge,
+            lambda count: self._refill(step, count),
+            stop,
+            on_wait=lambda: self._on_wait(step),
         )
         groups = scored_groups(sample.kept, step, self.config.model.max_seq_len)
         metrics = StepMetrics(step=step)

@@ -59,6 +59,7 @@ class ReplaySampler:
         threshold: int,
         poll_interval_s: float,
         wait_timeout_s: float,
+        refill_per_filtered: int = 1,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -70,6 +71,7 @@ class ReplaySampler:
         self._threshold = threshold
         self._poll_interval_s = poll_interval_s
         self._wait_timeout_s = wait_timeout_s
+        self._refill_per_filtered = refill_per_filtered
         self._clock = clock
         self._sleep = sleep
 
@@ -104,10 +106,12 @@ class ReplaySampler:
         judge: Callable[[GroupWithTrajectories], Verdict],
         refill: Callable[[int], None],
         stop: Callable[[], bool] = lambda: False,
+        on_wait: Callable[[], None] = lambda: None,
     ) -> Sample:
         """Consumes groups at `step` until `num_groups` of them are kept by `judge` (after the
         staleness bound). `refill(n)` asks the feeder for n more prompts: 1 per evicted or
-        failed group, 2 per group without signal (DAPO's refill credit)."""
+        failed group, `refill_per_filtered` per group without signal. `on_wait()` runs
+        before every sleep (the leader re-announces its step to rollout from there)."""
         out = Sample(kept=[])
         seen: set[str] = set()
         start = self._clock()
@@ -117,6 +121,7 @@ class ReplaySampler:
             if self._policy == "wait" and self.blocked(step):
                 self._check_deadline(step, start, out, "an in-flight group to finish")
                 out.blocked_s += self._poll_interval_s
+                on_wait()
                 self._sleep(self._poll_interval_s)
                 continue
             if self._policy == "drop":
@@ -131,6 +136,7 @@ class ReplaySampler:
             fresh = [u for u in uids if u not in seen]
             if not fresh:
                 self._check_deadline(step, start, out, f"{need} more scored groups")
+                on_wait()
                 self._sleep(self._poll_interval_s)
                 continue
             seen.update(fresh)
@@ -141,7 +147,7 @@ class ReplaySampler:
                     out.kept.append(group)
                 else:
                     out.rejected[verdict] += 1
-                    refill(2 if verdict == "no_signal" else 1)
+                    refill(self._refill_per_filtered if verdict == "no_signal" else 1)
         out.waited_s = self._clock() - start
         return out
 

@@ -31,25 +31,29 @@ class GatewayLink:
         )
         self._stub = rollout_pb2_grpc.RolloutGatewayStub(self._channel)
 
-    def _call(self, method: str, request: object) -> object:
+    def _call(self, method: str, request: object, attempts: int | None = None) -> object:
+        attempts = attempts or self._attempts
         delay = 0.2
-        for attempt in range(1, self._attempts + 1):
+        for attempt in range(1, attempts + 1):
             try:
                 return getattr(self._stub, method)(request, timeout=self._config.default_timeout_s)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self._attempts:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == attempts:
                     raise
                 logger.warning("gateway %s unavailable (%s); retrying", method, exc.details())
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")
 
-    def update_policy_step(self, policy_step: int, batch_size: int, refill_groups: int) -> None:
+    def update_policy_step(
+        self, policy_step: int, batch_size: int, refill_groups: int, *, attempts: int | None = None
+    ) -> None:
         self._call(
             "UpdatePolicyStep",
             rollout_pb2.UpdatePolicyStepRequest(
                 policy_step=policy_step, batch_size=batch_size, refill_groups=refill_groups
             ),
+            attempts,
         )
 
     def pause(self) -> None:

@@ -29,6 +29,7 @@ def sampler(tq: TransferQueue, policy: str = "drop", threshold: int = 2, **kw) -
         threshold=threshold,
         poll_interval_s=0.0,
         wait_timeout_s=kw.pop("wait_timeout_s", 30.0),
+        refill_per_filtered=kw.pop("refill_per_filtered", 1),
         clock=lambda: float(next(clock)),
         sleep=lambda s: None,
     )
@@ -91,7 +92,7 @@ def test_running_groups_are_never_evicted(tq: TransferQueue) -> None:
 def test_dapo_verdicts_and_refill_credit(tq: TransferQueue) -> None:
     from relayrl.trainer.advantages import GroupRewards, dapo_filter
 
-    scored_group(tq, "flat", [1.0, 1.0])  # zero std: no signal -> credit 2
+    scored_group(tq, "flat", [1.0, 1.0])  # zero std: no signal -> credit 2 (the seed's rule)
     scored_group(tq, "allinfra", [None, None])  # no valid member -> credit 1
     scored_group(tq, "good", [1.0, 0.0])
 
@@ -105,7 +106,7 @@ def test_dapo_verdicts_and_refill_credit(tq: TransferQueue) -> None:
         return "keep" if result.kept else ("no_valid" if result.failed else "no_signal")
 
     refills: list[int] = []
-    sample = sampler(tq).sample(0, 1, judge, refills.append)
+    sample = sampler(tq, refill_per_filtered=2).sample(0, 1, judge, refills.append)
     assert [g.group.uid for g in sample.kept] == ["good"]
     assert dict(sample.rejected) == {"no_signal": 1, "no_valid": 1}
     assert sorted(refills) == [1, 2] and sample.num_consumed == 3
