@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -105,6 +106,11 @@ class WeightSyncConfig(ServiceConfig):
         600.0,
         gt=0,
         description="A transfer whose buckets have not all arrived by then fails (no hang).",
+    )
+    metrics_log: Path | None = Field(
+        None,
+        description="JSONL file that receives one record per finished transfer: version, "
+        "state, bytes, data plane, replicas and the seconds spent at each boundary.",
     )
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import socket
 import time
@@ -104,6 +105,8 @@ class Transfer:
     error: str = ""
     replica_ids: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
+    # Seconds per boundary of this transfer (load and restore: the slowest replica).
+    durations_s: dict[str, float] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -305,9 +308,7 @@ class Coordinator:
             transfer.state = pb.TRANSFER_STATE_TRANSFERRING
         if all(b is not None for b in transfer.buckets) and not transfer.complete.is_set():
             transfer.complete.set()
-            self._metrics.boundary_duration.labels("transport").observe(
-                time.monotonic() - transfer.created
-            )
+            self._observe(transfer, "transport", time.monotonic() - transfer.created)
             self._spawn(self._switch(transfer))
 
     async def _expire(self, transfer: Transfer) -> None:
@@ -324,12 +325,40 @@ class Coordinator:
                 ),
             )
 
+    def _observe(self, transfer: Transfer, boundary: str, seconds: float) -> None:
+        self._metrics.boundary_duration.labels(boundary).observe(seconds)
+        transfer.durations_s[boundary] = max(seconds, transfer.durations_s.get(boundary, 0.0))
+
+    def _log_transfer(self, transfer: Transfer, state: str) -> None:
+        """One line of `metrics_log` per finished transfer (never fails the transfer)."""
+        path = self._config.metrics_log
+        if path is None:
+            return
+        record = {
+            "version": transfer.version,
+            "trainer_step": transfer.trainer_step,
+            "state": state,
+            "transport": self._config.data_plane.transport,
+            "bytes": transfer.num_bytes,
+            "replicas": list(transfer.replica_ids),
+            "durations_s": {k: round(v, 6) for k, v in transfer.durations_s.items()},
+            "error": transfer.error,
+            "time": time.time(),
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as log:
+                log.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as exc:
+            logger.warning("cannot write metrics_log %s: %s", path, exc)
+
     def _fail(self, transfer: Transfer, error: SyncError) -> None:
         transfer.state, transfer.error = pb.TRANSFER_STATE_FAILED, str(error)
         transfer.buckets = [None] * len(transfer.layouts)  # free the host memory
         self._metrics.failures.labels(error.boundary).inc()
         self._metrics.transfers.labels("failed").inc()
         transfer.done.set()
+        self._log_transfer(transfer, "failed")
         logger.error("%s", error)
 
     # -- the switch -----------------------------------------------------------------------
@@ -361,9 +390,7 @@ class Coordinator:
                 self._fail(transfer, SyncError("restore", str(exc)))
                 return
             finally:
-                self._metrics.boundary_duration.labels("pause_window").observe(
-                    time.monotonic() - start
-                )
+                self._observe(transfer, "pause_window", time.monotonic() - start)
             self._commit(transfer)
 
     def _commit(self, transfer: Transfer) -> None:
@@ -375,6 +402,7 @@ class Coordinator:
         self._metrics.committed_version.set(transfer.version)
         self._metrics.transfers.labels("committed").inc()
         transfer.done.set()
+        self._log_transfer(transfer, "committed")
         logger.info("version %d committed on %s", transfer.version, transfer.replica_ids)
 
     async def _pause(self) -> None:
@@ -606,13 +634,13 @@ class Coordinator:
         for answer in answers:
             if answer.get("bucket_sha256") != transfer.sha256:
                 raise SyncError("load", "a worker loaded buckets whose checksums differ")
-        self._metrics.boundary_duration.labels("load").observe(time.monotonic() - start)
+        self._observe(transfer, "load", time.monotonic() - start)
         if restore:  # a replica that fails above stays paused until a retry loads it
             start = time.monotonic()
             await client.reset_prefix_cache()
             await client.set_weight_version(str(transfer.version))
             await client.resume()
-            self._metrics.boundary_duration.labels("restore").observe(time.monotonic() - start)
+            self._observe(transfer, "restore", time.monotonic() - start)
 
     def _loaded(self, entry: EngineEntry, transfer: Transfer) -> None:
         entry.version, entry.last_error = transfer.version, ""
