@@ -1,6 +1,7 @@
 """`relayrl`: the operator's command line.
 
     relayrl up                    run the whole system locally and train (the main job)
+    relayrl status [RUN_DIR]      the state of a run's stack (health, versions, queue)
     relayrl tq counts             prompt groups and trajectories by status, per partition
     relayrl tq events PARTITION   the last transitions of a partition
     relayrl model init DIR        write a tiny Qwen2 model and its tokenizer, built from a seed
@@ -31,14 +32,98 @@ def _tq_from_args(args: argparse.Namespace):
     return TransferQueue.from_config(config)
 
 
+def _up_config(args: argparse.Namespace):
+    """The run's config: the file (or the resumed run's), then the flags; ValueError (one
+    line) for a mistake."""
+    from pydantic import ValidationError
+
+    from relayrl.core.config import ConfigError, load_config
+    from relayrl.up.config import UpConfig
+
+    if args.resume is not None:
+        from relayrl.up.run import load_run_config
+
+        if args.config or args.task or args.mode or args.eta is not None:
+            raise ValueError("--resume continues a run with its own config; give only --steps")
+        config = load_run_config(args.resume)
+    else:
+        try:
+            config = load_config(UpConfig, args.config, "RELAYRL_UP")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+    data = config.model_dump(mode="json")
+    flags = {"task": ("task", "name"), "mode": ("train", "mode"), "eta": ("train", "eta")}
+    flags |= {"steps": ("train", "steps"), "runs_dir": ("runs_dir",)}
+    given = []
+    for flag, path in flags.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        given.append(flag)
+        if len(path) == 1:
+            data[path[0]] = str(value)
+        else:
+            data[path[0]][path[1]] = value
+    if args.mode is not None and args.eta is None and (args.resume or args.config):
+        data["train"]["eta"] = None  # the mode's own default, not the file's eta
+    try:
+        return UpConfig.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{where}: {message}" if where else message) from None
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    print(
-        "relayrl up: not yet available: the end-to-end run (redis, the four services, a vLLM "
-        "engine and GRPO on the built-in task) lands with issue #7. Today: `make test`, "
-        "`make bench-tq`, and `relayrl tq counts` against a running Redis.",
-        file=sys.stderr,
-    )
-    return EXIT_USAGE
+    config = _up_config(args)
+    if args.print_config:
+        from relayrl.core.config import dump_config
+
+        print(dump_config(config), end="")
+        return 0
+    from relayrl.up.prepare import build_task
+
+    build_task(config)  # a bad task knob is a usage error, before anything starts
+    from relayrl.up.run import Run, new_run_dir
+
+    if args.resume is not None:
+        run_dir = args.resume
+        if (run_dir / "run.json").exists():
+            import json
+
+            state = json.loads((run_dir / "run.json").read_text()).get("state")
+            if state in ("training", "starting", "preparing") and _run_alive(run_dir):
+                raise ValueError(f"{run_dir} is running now (see `relayrl status {run_dir}`)")
+    else:
+        run_dir = new_run_dir(config.runs_dir)
+    return Run(config, run_dir, resume=args.resume is not None).main()
+
+
+def _run_alive(run_dir: Path) -> bool:
+    """Whether a run's `relayrl up` still holds its children (its trainer PID is alive)."""
+    import json
+    import os
+
+    try:
+        stack = json.loads((run_dir / "stack.json").read_text())
+        pid = stack["children"]["trainer"]["pid"]
+        os.kill(pid, 0)
+        return True
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from relayrl.up.status import latest_run, status_lines
+
+    run_dir = args.run_dir or latest_run(args.runs_dir)
+    if run_dir is None or not (run_dir / "run.json").exists():
+        where = args.run_dir or args.runs_dir
+        raise ValueError(f"no relayrl run in {where} (start one with `relayrl up`)")
+    for line in status_lines(run_dir):
+        print(line)
+    return 0
 
 
 def cmd_tq_counts(args: argparse.Namespace) -> int:
@@ -144,8 +229,30 @@ def _add_model_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relayrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="run the whole system locally and train (the main job)")
+    up = sub.add_parser(
+        "up",
+        help="run the whole system locally and train (the main job)",
+        description="Start a private redis-server, the four services and a vLLM engine, "
+        "warm-start the tiny model and train it with GRPO on a built-in task; report in "
+        "runs/<id>/report.html. Ctrl-C stops cleanly; --resume continues.",
+    )
+    up.add_argument("--config", type=Path, help="YAML file (relayrl up --print-config: fields)")
+    up.add_argument("--task", choices=("arith", "lookup"), help="built-in task (default arith)")
+    up.add_argument(
+        "--mode",
+        choices=("sync", "colocate_async", "separate_async"),
+        help="trainer mode (default separate_async)",
+    )
+    up.add_argument("--eta", type=int, help="versions rollout may run ahead (default: by mode)")
+    up.add_argument("--steps", type=int, help="trainer steps")
+    up.add_argument("--runs-dir", type=Path, help="where runs go (default runs/)")
+    up.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a stopped run")
+    up.add_argument("--print-config", action="store_true", help="print the config and exit")
     up.set_defaults(func=cmd_up)
+    status = sub.add_parser("status", help="the state of a running (or finished) run")
+    status.add_argument("run_dir", type=Path, nargs="?", help="runs/<id> (default: the latest)")
+    status.add_argument("--runs-dir", type=Path, default=Path("runs"), help="default runs/")
+    status.set_defaults(func=cmd_status)
 
     tq = sub.add_parser("tq", help="inspect the TransferQueue")
     tq.add_argument("--url", default="redis://127.0.0.1:6379/0", help="Redis URL")

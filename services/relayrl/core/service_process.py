@@ -52,7 +52,9 @@ class ServiceProcess:
         workdir: Path | None = None,
         *,
         env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
     ) -> None:
+        """`log_path`: where stdout and stderr go (default: `<workdir>/<command>.log`)."""
         self.command = command
         self._owns_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"{command}-"))
@@ -60,7 +62,8 @@ class ServiceProcess:
         self.config_path = self.workdir / f"{command}.yaml"
         self.config_path.write_text(yaml.safe_dump(dict(config)), encoding="utf-8")
         self.ready_file = self.workdir / f"{command}.ready.json"
-        self.log_path = self.workdir / f"{command}.log"
+        self.log_path = log_path or self.workdir / f"{command}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0

@@ -35,9 +35,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class EngineProcess:
     def __init__(
-        self, config: EngineConfig, workdir: Path, *, env: dict[str, str] | None = None
+        self,
+        config: EngineConfig,
+        workdir: Path,
+        *,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
     ) -> None:
-        """`env`: variables added to this process's environment for the engine's."""
+        """`env`: variables added to this process's environment for the engine's; `log_path`:
+        where its output goes (default: `<workdir>/engine.log`)."""
         if config.port == 8000:  # the default: pick a free one instead
             config = config.model_copy(update={"port": free_port(config.host)})
         self.config = config
@@ -45,7 +51,8 @@ class EngineProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = workdir / "engine.yaml"
         self.config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-        self.log_path = workdir / "engine.log"
+        self.log_path = log_path or workdir / "engine.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen[bytes] | None = None
         self._env = {**os.environ, **env} if env else None
 

@@ -96,8 +96,13 @@ class RedisServer:
         if self._process and self._process.poll() is None:
             raise RedisServerError(f"redis-server already running (pid {self._process.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Its own session: a Ctrl-C meant for the parent (`relayrl up`) must not reach it;
+        # the parent stops it, after the services that write to it.
         self._process = subprocess.Popen(
-            self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+            self._command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             self._wait_ready(timeout_s)

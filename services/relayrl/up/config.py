@@ -1,0 +1,192 @@
+"""`relayrl up`'s configuration (`--config FILE`): what to train, how, and on what.
+
+Every field has a default, chosen so that `relayrl up` with no file trains `arith` on this
+2-core machine in under 15 minutes. `relayrl up --print-config` shows them all; the
+`services:` section passes any field of the four services' own configs through (it is merged
+over what `relayrl up` generates, and the service checks it when it starts).
+
+pydantic only: a mistake is reported before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from relayrl.core.config import StrictModel
+from relayrl.models.config import TinyModelConfig
+
+Mode = Literal["sync", "colocate_async", "separate_async"]
+TaskName = Literal["arith", "lookup"]
+Transport = Literal["grpc", "torch_distributed", "mooncake"]
+
+# eta when the mode is given and eta is not.
+DEFAULT_ETA: dict[str, int] = {"sync": 0, "colocate_async": 1, "separate_async": 1}
+
+
+class TaskSection(StrictModel):
+    """The built-in task (`relayrl.tasks`) and how much of it to use."""
+
+    name: TaskName = Field("arith", description="arith (single turn) or lookup (tool calls).")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Difficulty knobs of the task (fields of ArithTask / LookupTask, e.g. "
+        "{max_digits: 1} for arith).",
+    )
+    train_prompts: int = Field(
+        4000, ge=1, le=1_000_000, description="Distinct training questions (prompts.jsonl)."
+    )
+    heldout_prompts: int = Field(
+        200,
+        ge=10,
+        le=100_000,
+        description="Held-out questions for evaluation; training never sees them.",
+    )
+    seed: int = Field(0, ge=0, description="Seed of the drawn questions.")
+
+
+class WarmStartSection(StrictModel):
+    """Supervised warm start (`relayrl-trainer sft`): teaches the answer format so GRPO sees a
+    reward from its first step. Cached by its inputs under `<runs>/cache/`."""
+
+    enabled: bool = Field(True, description="false: GRPO starts from the random model.")
+    examples: int = Field(2000, ge=1, le=1_000_000, description="SFT examples drawn.")
+    epochs: int = Field(2, ge=1, le=100, description="Passes over the examples.")
+    lr: float = Field(2e-3, gt=0.0, le=1.0, description="Learning rate.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Examples per update.")
+    max_seq_len: int = Field(
+        0, ge=0, le=65_536, description="Longest example in tokens; 0: the task's default."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the examples and the shuffle.")
+
+
+class TrainSection(StrictModel):
+    """GRPO through the pipeline. Every other trainer field: `services.trainer`."""
+
+    mode: Mode = Field(
+        "separate_async",
+        description="sync (rollout waits for every version), colocate_async (rollout paused "
+        "during updates, one version ahead), separate_async (rollout runs eta versions ahead).",
+    )
+    eta: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="How many versions rollout may run ahead; null: 0 for sync, 1 otherwise.",
+    )
+    steps: int = Field(60, ge=1, le=1_000_000, description="Trainer steps (published versions).")
+    batch_groups: int = Field(8, ge=1, le=4096, description="Prompt groups per step.")
+    samples_per_prompt: int = Field(8, ge=2, le=256, description="Responses per prompt (GRPO).")
+    lr: float = Field(1e-4, gt=0.0, le=1.0, description="Adam learning rate.")
+    max_tokens: int = Field(
+        0, ge=0, le=65_536, description="Response token budget; 0: the task's default."
+    )
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
+    micro_batch_size: int = Field(16, ge=1, le=4096, description="Rows per forward pass.")
+    checkpoint_interval_steps: int = Field(
+        1, ge=1, le=100_000, description="A checkpoint every N steps (resume point)."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the prompt order and of the trainer.")
+
+    @property
+    def effective_eta(self) -> int:
+        return DEFAULT_ETA[self.mode] if self.eta is None else self.eta
+
+    @model_validator(mode="after")
+    def _eta_fits_mode(self) -> TrainSection:
+        eta = self.effective_eta
+        if self.mode == "sync" and eta != 0:
+            raise ValueError(f"mode sync needs eta 0 (got {eta}); use separate_async to run ahead")
+        if self.mode == "colocate_async" and eta > 1:
+            raise ValueError(f"mode colocate_async allows eta 0 or 1 (got {eta})")
+        return self
+
+
+class EvalSection(StrictModel):
+    """Held-out accuracy: greedy decoding on the engine, scored by the task's rule."""
+
+    interval_steps: int = Field(
+        10,
+        ge=0,
+        le=1_000_000,
+        description="Evaluate every N trainer steps; 0: only at start and end.",
+    )
+    sampled: bool = Field(
+        True, description="Also report accuracy at the training temperature (one sample each)."
+    )
+
+
+class EngineSection(StrictModel):
+    """The vLLM engine replica."""
+
+    max_model_len: int = Field(1024, ge=64, le=131_072, description="Longest prompt + response.")
+    max_num_seqs: int = Field(128, ge=1, le=65_536, description="Sequences decoded at once.")
+    kv_cache_gib: int = Field(1, ge=1, le=1024, description="KV cache (VLLM_CPU_KVCACHE_SPACE).")
+
+
+class WeightSyncSection(StrictModel):
+    transport: Transport = Field(
+        "grpc",
+        description="Data plane from weight-sync into the engine: grpc, torch_distributed "
+        "(gloo here) or mooncake (needs a private network namespace here).",
+    )
+
+
+class SupervisionSection(StrictModel):
+    """What `relayrl up` does when one of its children dies."""
+
+    max_restarts: int = Field(
+        5, ge=0, le=1000, description="Restarts per child before the run gives up."
+    )
+    restart_backoff_s: float = Field(
+        1.0, ge=0.0, le=600.0, description="Wait before a restart (doubles each time)."
+    )
+    start_timeout_s: float = Field(
+        300.0, gt=0.0, le=3600.0, description="Longest a child may take to become ready."
+    )
+
+
+class ServicesSection(StrictModel):
+    """Fields merged over the generated config of each service (deep merge; the service
+    validates the result). Ports, addresses and paths are set by `relayrl up`."""
+
+    trainer: dict[str, Any] = Field(default_factory=dict, description="relayrl-trainer fields.")
+    gateway: dict[str, Any] = Field(default_factory=dict, description="relayrl-gateway fields.")
+    reward: dict[str, Any] = Field(default_factory=dict, description="relayrl-reward fields.")
+    weightsync: dict[str, Any] = Field(
+        default_factory=dict, description="relayrl-weightsync fields."
+    )
+
+
+class UpConfig(StrictModel):
+    runs_dir: Path = Field(Path("runs"), description="Where runs/<id>/ and the model cache live.")
+    task: TaskSection = Field(default_factory=TaskSection, description="What to train on.")
+    model: TinyModelConfig = Field(
+        default_factory=TinyModelConfig, description="The tiny Qwen2 built when absent."
+    )
+    warm_start: WarmStartSection = Field(default_factory=WarmStartSection, description="SFT.")
+    train: TrainSection = Field(default_factory=TrainSection, description="GRPO.")
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out accuracy.")
+    engine: EngineSection = Field(default_factory=EngineSection, description="vLLM engine.")
+    weightsync: WeightSyncSection = Field(
+        default_factory=WeightSyncSection, description="weight-sync."
+    )
+    supervision: SupervisionSection = Field(
+        default_factory=SupervisionSection, description="Restarts."
+    )
+    services: ServicesSection = Field(
+        default_factory=ServicesSection, description="Pass-through service fields."
+    )
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into a copy of `base`: nested dicts merge, anything else replaces."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,182 @@
+"""Everything a run needs before any service starts: the task's data files, the tiny model and
+its supervised warm start.
+
+The model and the warm start are cached under `<runs>/cache/` by a digest of everything that
+decides them (sizes and seeds; task, knobs and SFT settings), so a second run, or a test,
+starts from the same weights in seconds. A cache entry is written to a temporary folder and
+renamed into place, so an interrupted build never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relayrl.tasks import TASKS, Task, write_jsonl
+from relayrl.up.config import UpConfig
+
+logger = logging.getLogger(__name__)
+
+# Per task: response token budget (all turns) and the longest SFT example in tokens. Replies
+# to arith are ~6 tokens; lookup carries ~570 tokens of tool schemas and two tool turns.
+TASK_DEFAULTS: dict[str, dict[str, int]] = {
+    "arith": {"max_tokens": 24, "sft_max_seq_len": 256},
+    "lookup": {"max_tokens": 128, "sft_max_seq_len": 1024},
+}
+
+
+class PrepareError(RuntimeError):
+    """A step before training failed; the message says which and where its log is."""
+
+
+def build_task(config: UpConfig) -> Task:
+    """The task with the configured knobs; ValueError (one line) for a bad knob."""
+    base = TASKS[config.task.name]
+    known = {f.name for f in dataclasses.fields(base)}
+    unknown = sorted(set(config.task.options) - known)
+    if unknown:
+        raise ValueError(
+            f"task.options: unknown knob(s) {', '.join(unknown)} for {base.name} "
+            f"(known: {', '.join(sorted(known))})"
+        )
+    try:
+        return dataclasses.replace(base, **config.task.options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"task.options: {exc}") from None
+
+
+def max_tokens(config: UpConfig) -> int:
+    return config.train.max_tokens or TASK_DEFAULTS[config.task.name]["max_tokens"]
+
+
+def sft_max_seq_len(config: UpConfig) -> int:
+    return config.warm_start.max_seq_len or TASK_DEFAULTS[config.task.name]["sft_max_seq_len"]
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    prompts: Path
+    heldout: Path
+    sft: Path
+
+
+def write_task_files(task: Task, config: UpConfig, data_dir: Path) -> RunFiles:
+    """prompts.jsonl (training), heldout.jsonl (evaluation) and sft.jsonl (warm start). The
+    split is by question, so no held-out question is ever a training prompt or SFT example."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    files = RunFiles(data_dir / "prompts.jsonl", data_dir / "heldout.jsonl", data_dir / "sft.jsonl")
+    seed = config.task.seed
+    write_jsonl(task.prompts("train", config.task.train_prompts, seed), files.prompts)
+    write_jsonl(task.prompts("heldout", config.task.heldout_prompts, seed), files.heldout)
+    write_jsonl(task.sft_examples(config.warm_start.examples, config.warm_start.seed), files.sft)
+    return files
+
+
+def digest(payload: Any) -> str:
+    text = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cached(path: Path, build: Callable[[Path], None]) -> Path:
+    """`path` if it exists, else built into a sibling temporary folder and renamed."""
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        build(scratch)
+        scratch.rename(path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
+
+
+def base_model(config: UpConfig, say: Callable[[str], None]) -> Path:
+    """The tiny model (random weights from its seed) and tokenizer, built once per config."""
+    from relayrl.models.tiny import init_model
+
+    model = config.model
+    path = config.runs_dir / "cache" / f"model-{digest(model.model_dump(mode='json'))}"
+    if path.exists():
+        say(f"model: {path} (cached)")
+        return path
+
+    def build(out: Path) -> None:
+        info = init_model(out, model)
+        say(f"model: built a tiny Qwen2 ({info.summary()})")
+
+    return _cached(path, build)
+
+
+def warm_start(
+    config: UpConfig, model_dir: Path, sft_file: Path, log_path: Path, say: Callable[[str], None]
+) -> Path:
+    """`relayrl-trainer sft` on the task's examples, once per (model, task, settings)."""
+    if not config.warm_start.enabled:
+        return model_dir
+    ws = config.warm_start
+    key = digest(
+        {
+            "model": model_dir.name,
+            "task": config.task.name,
+            "options": config.task.options,
+            "warm_start": ws.model_dump(mode="json"),
+            "max_seq_len": sft_max_seq_len(config),
+        }
+    )
+    path = config.runs_dir / "cache" / f"warm-{config.task.name}-{key}"
+    if path.exists():
+        say(f"warm start: {path} (cached)")
+        return path
+
+    def build(out: Path) -> None:
+        from relayrl.core.service_process import console_script
+
+        say(
+            f"warm start: SFT on {ws.examples} {config.task.name} examples x {ws.epochs} "
+            f"epochs (log: {log_path})"
+        )
+        argv = [
+            console_script("relayrl-trainer"),
+            "sft",
+            "--model", str(model_dir),
+            "--data", str(sft_file),
+            "--out", str(out),
+            "--epochs", str(ws.epochs),
+            "--lr", str(ws.lr),
+            "--batch-size", str(ws.batch_size),
+            "--micro-batch-size", str(min(ws.batch_size, 16)),
+            "--max-seq-len", str(sft_max_seq_len(config)),
+            "--seed", str(ws.seed),
+        ]  # fmt: skip
+        started = time.monotonic()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+            try:
+                code = process.wait()
+            except BaseException:  # Ctrl-C: the SFT child goes with us
+                process.kill()
+                process.wait()
+                raise
+        if code != 0:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]
+            raise PrepareError(
+                f"warm start failed (exit {code}): {tail[0] if tail else ''} (see {log_path})"
+            )
+        say(f"warm start: done in {time.monotonic() - started:.0f} s")
+
+    return _cached(path, build)

@@ -1,0 +1,123 @@
+"""The live progress of a run: one line per trainer step.
+
+    step 12/60  reward 0.41  held-out 38.5%@10  staleness 1.3 (max 2) 312 tok/s  engine-0=v12 2m31s
+
+Read from what the services already publish: the trainer's step log (`trainer/steps.jsonl`),
+the held-out evaluations (`eval.jsonl`) and weight-sync's GetVersion (the version each replica
+holds), so the display shows what the system did, not what `relayrl up` believes it did.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from relayrl.up.evaluate import read_records
+
+
+def replica_versions(target: str, timeout_s: float = 2.0) -> dict[str, tuple[int, bool]] | None:
+    """replica id -> (version, live) from weight-sync; None when it does not answer."""
+    import grpc
+
+    from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+    from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
+                pb.GetVersionRequest(), timeout=timeout_s
+            )
+    except grpc.RpcError:
+        return None
+    return {r.replica_id: (r.version, r.live) for r in reply.replicas}
+
+
+class StepLog:
+    """Reads a JSONL file as it grows (a partly written last line waits for its newline)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def new_records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        records = []
+        for line in data[:end].splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+
+class Progress:
+    def __init__(
+        self, run_dir: Path, stack: Any, total_steps: int, say: Callable[[str], None]
+    ) -> None:
+        self.run_dir = run_dir
+        self.stack = stack
+        self.total_steps = total_steps
+        self.say = say
+        self.steps = StepLog(run_dir / "trainer" / "steps.jsonl")
+        self.completed = 0
+        self.started = time.monotonic()
+        self.names = {url: name for name, url in _engine_names(stack).items()}
+
+    def poll(self) -> int:
+        """Prints a line per newly logged step; the number of steps completed."""
+        records = self.steps.new_records()
+        if not records:
+            return self.completed
+        versions = replica_versions(self.stack.target("weightsync"))
+        evals = [r for r in read_records(self.run_dir / "eval.jsonl")]
+        for record in records:
+            self.completed = max(self.completed, int(record["step"]) + 1)
+            self.say(self.line(record, versions, evals[-1] if evals else None))
+        return self.completed
+
+    def line(
+        self,
+        record: dict[str, Any],
+        versions: dict[str, tuple[int, bool]] | None,
+        last_eval: dict[str, Any] | None,
+    ) -> str:
+        width = len(str(self.total_steps))
+        parts = [f"step {int(record['step']) + 1:>{width}}/{self.total_steps}"]
+        if "reward_mean" in record:
+            parts.append(f"reward {record['reward_mean']:.2f}")
+        if last_eval is not None:
+            parts.append(f"held-out {last_eval['accuracy']:.1%}@{last_eval['step']}")
+        if "staleness_mean" in record:
+            worst = record.get("staleness_max", 0)
+            parts.append(f"staleness {record['staleness_mean']:.1f} (max {worst:.0f})")
+        if "tokens_per_s" in record:
+            parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+        if versions is None:
+            parts.append("weight-sync ?")
+        else:
+            parts.append(
+                " ".join(
+                    f"{self.names.get(rid, rid)}=v{v}{'' if live else '(down)'}"
+                    for rid, (v, live) in sorted(versions.items())
+                )
+            )
+        parts.append(_duration(time.monotonic() - self.started))
+        return "  ".join(parts)
+
+
+def _engine_names(stack: Any) -> dict[str, str]:
+    return {name: child.url for name, child in stack.children.items() if name.startswith("engine-")}
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -1,0 +1,897 @@
+"""The end-of-run report of `relayrl up`: `<run_dir>/report.html`, its PNG plots in
+`<run_dir>/report/`, and a one-paragraph summary (`summary_text`) for stdout.
+
+Inputs, all in the run directory; any of them may be missing, empty or hold corrupt lines (a
+plot without data says so, a corrupt line is skipped and counted in the report):
+    run.json                    {"run_id", "task", "mode", "eta", "steps", "started",
+                                 "finished", ...}; other keys are shown as they are
+    trainer/steps.jsonl         one relayrl.trainer.metrics record per trainer step; a step
+                                logged twice (re-run after a resume) counts with its last record
+    eval.jsonl                  held-out evaluations {"kind": warm_start | periodic | final,
+                                 "step", "version", "n", "correct", "accuracy",
+                                 "sampled_accuracy", "time"}
+    weightsync/transfers.jsonl  one record per weight-sync transfer {"version", "state",
+                                 "durations_s": {boundary: s}, ...}
+    reward_timing.jsonl         relayrl.up.timing, computed from the TransferQueue after the run
+
+Step axes: per-step plots use the `step` of steps.jsonl (0-based: the record of step k is the
+(k+1)-th update). An eval is drawn at its `step`, the number of steps completed when it started
+(the warm start at 0), so the eval at x measured the weights that steps 0..x-1 trained.
+
+matplotlib is imported when the plots are drawn, never on import of this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from relayrl.up.timing import REWARD_TIMING_FILE, RewardTiming, read_jsonl, read_reward_timing
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+RUN_FILE = "run.json"
+STEPS_FILE = "trainer/steps.jsonl"
+EVAL_FILE = "eval.jsonl"
+TRANSFERS_FILE = "weightsync/transfers.jsonl"
+HTML_FILE = "report.html"
+PLOT_DIR = "report"
+
+# Weight-sync boundaries in the order they happen. `pause_window` (rollout paused) contains
+# the switch, load and restore of every replica, so a version's total is transport +
+# pause_window, or transport + the others when pause_window was not recorded.
+BOUNDARY_ORDER = ("export", "transport", "switch", "pause_window", "load", "restore")
+INSIDE_PAUSE_WINDOW = frozenset({"switch", "load", "restore"})
+
+FIGSIZE = (8.0, 4.5)
+DPI = 100
+
+
+def _number(value: object) -> float | None:
+    """A finite float, or None (missing, null, NaN, a string, a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# -- inputs -------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunInputs:
+    """Everything the report reads, cleaned: records without the fields a plot needs are dropped
+    and counted as corrupt."""
+
+    run: dict[str, Any] = field(default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # by step, one per step
+    evals: list[dict[str, Any]] = field(default_factory=list)  # by (step, time); "accuracy" set
+    transfers: list[dict[str, Any]] = field(default_factory=list)  # by version
+    timings: list[RewardTiming] = field(default_factory=list)  # by step
+    missing: list[str] = field(default_factory=list)  # inputs absent or empty
+    corrupt: dict[str, int] = field(default_factory=dict)  # input -> lines skipped
+
+
+def _eval_accuracy(record: dict[str, Any]) -> float | None:
+    accuracy = _number(record.get("accuracy"))
+    if accuracy is None:
+        n, correct = _integer(record.get("n")), _integer(record.get("correct"))
+        if n and correct is not None:
+            accuracy = correct / n
+    return accuracy
+
+
+def _read_records(
+    inputs: RunInputs, run_dir: Path, name: str, usable: Callable[[dict[str, Any]], bool]
+) -> list[dict[str, Any]]:
+    read = read_jsonl(run_dir / name)
+    records = [r for r in read.records if usable(r)]
+    num_corrupt = read.num_corrupt + len(read.records) - len(records)
+    if num_corrupt:
+        inputs.corrupt[name] = num_corrupt
+    if not records:
+        inputs.missing.append(name)
+    return records
+
+
+def load_inputs(run_dir: Path) -> RunInputs:
+    """Reads the run directory's inputs; never raises for missing or corrupt ones."""
+    inputs = RunInputs()
+    run_path = run_dir / RUN_FILE
+    try:
+        run = json.loads(run_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        run = {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        run = None
+    if not isinstance(run, dict):
+        inputs.corrupt[RUN_FILE] = 1
+        run = {}
+    if not run:
+        inputs.missing.append(RUN_FILE)
+    inputs.run = run
+
+    steps = _read_records(
+        inputs, run_dir, STEPS_FILE, lambda r: _integer(r.get("step")) is not None
+    )
+    inputs.steps = sorted({r["step"]: r for r in steps}.values(), key=lambda r: r["step"])
+
+    def usable_eval(record: dict[str, Any]) -> bool:
+        accuracy = _eval_accuracy(record)
+        if accuracy is None or _integer(record.get("step")) is None:
+            return False
+        record["accuracy"] = accuracy
+        return True
+
+    evals = _read_records(inputs, run_dir, EVAL_FILE, usable_eval)
+    inputs.evals = sorted(evals, key=lambda r: (r["step"], _number(r.get("time")) or 0.0))
+
+    transfers = _read_records(
+        inputs, run_dir, TRANSFERS_FILE, lambda r: _integer(r.get("version")) is not None
+    )
+    inputs.transfers = sorted(transfers, key=lambda r: r["version"])
+
+    timings, num_corrupt = read_reward_timing(run_dir)
+    if num_corrupt:
+        inputs.corrupt[REWARD_TIMING_FILE] = num_corrupt
+    if not timings:
+        inputs.missing.append(REWARD_TIMING_FILE)
+    inputs.timings = sorted({t.step: t for t in timings}.values(), key=lambda t: t.step)
+    return inputs
+
+
+# -- key numbers --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyNumbers:
+    """The report's table. None: the inputs do not have it. Accuracies are fractions (0..1)."""
+
+    num_steps: int = 0
+    duration_s: float | None = None
+    warm_start_accuracy: float | None = None
+    warm_start_sampled_accuracy: float | None = None
+    final_accuracy: float | None = None
+    final_sampled_accuracy: float | None = None
+    final_eval_kind: str | None = None  # "final", or "periodic" when the run has no final eval
+    final_eval_step: int | None = None
+    eval_n: int | None = None
+    accuracy_gain_points: float | None = None  # (final - warm start) * 100
+    num_reward_steps_averaged: int = 0  # the 10% of steps each of reward_first/last averages
+    reward_first: float | None = None  # mean reward_mean over the first 10% of steps
+    reward_last: float | None = None  # ... and over the last 10%
+    staleness_mean: float | None = None  # over every trained group
+    staleness_max: int | None = None
+    tokens_per_s_median: float | None = None
+    weight_sync_median_s: float | None = None  # per committed transfer (transport + pause)
+    num_transfers_committed: int = 0
+    num_transfers_failed: int = 0
+    t_collect_median_s: float | None = None
+    overlap_median: float | None = None
+    groups_trained: int | None = None
+    groups_rejected: dict[str, int] = field(default_factory=dict)  # by trainer verdict
+    trained_tokens: float | None = None
+    trajectories_trained: int | None = None  # scored trajectories of trained groups (TQ)
+    trajectories_failed: int | None = None  # put as failed (rollout infrastructure)
+
+
+def transfer_total_s(transfer: dict[str, Any]) -> float | None:
+    """A transfer's duration from its per-boundary durations (see BOUNDARY_ORDER)."""
+    durations = transfer.get("durations_s")
+    if not isinstance(durations, dict):
+        return None
+    values = {k: x for k, v in durations.items() if (x := _number(v)) is not None}
+    if not values:
+        return None
+    skip = INSIDE_PAUSE_WINDOW if "pause_window" in values else frozenset()
+    return sum(v for k, v in values.items() if k not in skip)
+
+
+def _staleness(steps: list[dict[str, Any]]) -> tuple[float | None, int | None]:
+    histogram: dict[int, int] = {}
+    for record in steps:
+        for key, count in _histogram(record).items():
+            histogram[key] = histogram.get(key, 0) + count
+    if histogram and sum(histogram.values()):
+        total = sum(histogram.values())
+        return sum(k * n for k, n in histogram.items()) / total, max(histogram)
+    means = [v for r in steps if (v := _number(r.get("staleness_mean"))) is not None]
+    maxima = [v for r in steps if (v := _number(r.get("staleness_max"))) is not None]
+    return (
+        statistics.fmean(means) if means else None,
+        int(max(maxima)) if maxima else None,
+    )
+
+
+def _histogram(record: dict[str, Any]) -> dict[int, int]:
+    raw = record.get("staleness_histogram")
+    if not isinstance(raw, dict):
+        return {}
+    out = {}
+    for key, count in raw.items():
+        try:
+            staleness = int(key)
+        except ValueError:
+            continue
+        if (n := _integer(count)) is not None and n > 0:
+            out[staleness] = n
+    return out
+
+
+def _evals(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    warm = next((e for e in evals if e.get("kind") == "warm_start"), None)
+    finals = [e for e in evals if e.get("kind") == "final"]
+    final = finals[-1] if finals else None
+    if final is None:
+        later = [e for e in evals if e is not warm and (warm is None or e["step"] > warm["step"])]
+        final = later[-1] if later else None
+    out: dict[str, Any] = {}
+    if warm is not None:
+        out["warm_start_accuracy"] = warm["accuracy"]
+        out["warm_start_sampled_accuracy"] = _number(warm.get("sampled_accuracy"))
+    if final is not None:
+        out["final_accuracy"] = final["accuracy"]
+        out["final_sampled_accuracy"] = _number(final.get("sampled_accuracy"))
+        out["final_eval_kind"] = "final" if final.get("kind") == "final" else "periodic"
+        out["final_eval_step"] = final["step"]
+    if warm is not None and final is not None:
+        out["accuracy_gain_points"] = (final["accuracy"] - warm["accuracy"]) * 100
+    reference = final or warm
+    if reference is not None:
+        out["eval_n"] = _integer(reference.get("n"))
+    return out
+
+
+def _groups(steps: list[dict[str, Any]]) -> tuple[int | None, dict[str, int]]:
+    trained: int | None = None
+    rejected: dict[str, int] = {}
+    for record in steps:
+        uids, verdicts = record.get("uids"), record.get("groups")
+        verdicts = verdicts if isinstance(verdicts, dict) else {}
+        kept = len(uids) if isinstance(uids, list) else _integer(verdicts.get("keep"))
+        if kept is not None:
+            trained = (trained or 0) + kept
+        for verdict, n in verdicts.items():
+            if verdict != "keep" and (n := _integer(n)):
+                rejected[verdict] = rejected.get(verdict, 0) + n
+    return trained, rejected
+
+
+def _duration_s(run: dict[str, Any]) -> float | None:
+    started, finished = _number(run.get("started")), _number(run.get("finished"))
+    if started is None or finished is None or finished < started:
+        return None
+    return finished - started
+
+
+def key_numbers(inputs: RunInputs) -> KeyNumbers:
+    steps = inputs.steps
+    rewards = [v for r in steps if (v := _number(r.get("reward_mean"))) is not None]
+    k = max(1, math.ceil(len(rewards) / 10)) if rewards else 0
+    staleness_mean, staleness_max = _staleness(steps)
+    committed = [t for t in inputs.transfers if t.get("state", "committed") == "committed"]
+    sync_s = [v for t in committed if (v := transfer_total_s(t)) is not None]
+    tokens = [v for r in steps if (v := _number(r.get("trained_tokens"))) is not None]
+    groups_trained, groups_rejected = _groups(steps)
+    timings = inputs.timings
+    return KeyNumbers(
+        num_steps=len(steps),
+        duration_s=_duration_s(inputs.run),
+        **_evals(inputs.evals),
+        num_reward_steps_averaged=k,
+        reward_first=statistics.fmean(rewards[:k]) if rewards else None,
+        reward_last=statistics.fmean(rewards[-k:]) if rewards else None,
+        staleness_mean=staleness_mean,
+        staleness_max=staleness_max,
+        tokens_per_s_median=_median(
+            [v for r in steps if (v := _number(r.get("tokens_per_s"))) is not None]
+        ),
+        weight_sync_median_s=_median(sync_s),
+        num_transfers_committed=len(committed),
+        num_transfers_failed=sum(t.get("state") == "failed" for t in inputs.transfers),
+        t_collect_median_s=_median([t.t_collect_s for t in timings if t.t_collect_s is not None]),
+        overlap_median=_median([t.overlap_ratio for t in timings if t.overlap_ratio is not None]),
+        groups_trained=groups_trained,
+        groups_rejected=groups_rejected,
+        trained_tokens=sum(tokens) if tokens else None,
+        trajectories_trained=sum(t.num_scored for t in timings) if timings else None,
+        trajectories_failed=sum(t.num_failed for t in timings) if timings else None,
+    )
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Report:
+    run_dir: Path
+    html_path: Path
+    plots: dict[str, Path]  # plot name -> PNG, in page order
+    no_data_plots: list[str]  # plots drawn without any data
+    run_id: str
+    task: str | None
+    mode: str | None
+    eta: float | None
+    configured_steps: int | None
+    numbers: KeyNumbers
+    missing_inputs: list[str]  # inputs absent or without a usable record
+    corrupt_lines: dict[str, int]  # input -> lines skipped
+
+    @property
+    def num_corrupt_lines(self) -> int:
+        return sum(self.corrupt_lines.values())
+
+
+def write_report(run_dir: Path) -> Report:
+    """Reads the run directory, draws the plots into `run_dir/report/` and writes
+    `run_dir/report.html`. Missing or corrupt inputs never fail it."""
+    run_dir = Path(run_dir)
+    inputs = load_inputs(run_dir)
+    plots, no_data = draw_plots(inputs, run_dir / PLOT_DIR)
+    run = inputs.run
+    task, mode = run.get("task"), run.get("mode")
+    report = Report(
+        run_dir=run_dir,
+        html_path=run_dir / HTML_FILE,
+        plots=plots,
+        no_data_plots=no_data,
+        run_id=str(run.get("run_id") or run_dir.name),
+        task=task if isinstance(task, str) else None,
+        mode=mode if isinstance(mode, str) else None,
+        eta=_number(run.get("eta")),
+        configured_steps=_integer(run.get("steps")),
+        numbers=key_numbers(inputs),
+        missing_inputs=inputs.missing,
+        corrupt_lines=inputs.corrupt,
+    )
+    report.html_path.write_text(render_html(report, run), encoding="utf-8")
+    return report
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2g}" if value < 1 else f"{value:.1f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _eta(eta: float) -> str:
+    return f"{eta:g}"
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.1f}%"
+
+
+def _accuracy_clause(n: KeyNumbers) -> str | None:
+    sample = "greedy" + (f", n={n.eval_n}" if n.eval_n else "")
+    final_label = "" if n.final_eval_kind == "final" else f"last eval at step {n.final_eval_step}, "
+    if n.warm_start_accuracy is not None and n.final_accuracy is not None:
+        gain = n.accuracy_gain_points or 0.0
+        return (
+            f"held-out accuracy went from {_percent(n.warm_start_accuracy)} (warm start) to "
+            f"{_percent(n.final_accuracy)} ({final_label}{gain:+.1f} points, {sample})"
+        )
+    if n.warm_start_accuracy is not None:
+        return f"held-out accuracy {_percent(n.warm_start_accuracy)} at warm start ({sample})"
+    if n.final_accuracy is not None:
+        return f"held-out accuracy {_percent(n.final_accuracy)} ({final_label}{sample})"
+    return None
+
+
+def _clauses(n: KeyNumbers, num_corrupt: int) -> list[str]:
+    clauses = []
+    if (accuracy := _accuracy_clause(n)) is not None:
+        clauses.append(accuracy)
+    if n.reward_first is not None and n.reward_last is not None:
+        clauses.append(f"mean reward {n.reward_first:.2f} → {n.reward_last:.2f}")
+    staleness = []
+    if n.staleness_mean is not None:
+        staleness.append(f"mean {n.staleness_mean:.1f}")
+    if n.staleness_max is not None:
+        staleness.append(f"max {n.staleness_max}")
+    if staleness:
+        clauses.append("staleness " + ", ".join(staleness))
+    if n.tokens_per_s_median is not None:
+        clauses.append(f"{_rate(n.tokens_per_s_median)} tokens/s")
+    if n.weight_sync_median_s is not None:
+        clauses.append(f"weight sync {_seconds(n.weight_sync_median_s)} s per version (median)")
+    reward = []
+    if n.t_collect_median_s is not None:
+        reward.append(f"t_collect {_seconds(n.t_collect_median_s)} s")
+    if n.overlap_median is not None:
+        reward.append(f"overlap {n.overlap_median:.2f}")
+    if reward:
+        clauses.append("reward " + ", ".join(reward))
+    if num_corrupt:
+        clauses.append(f"{num_corrupt} corrupt log line{'s' * (num_corrupt != 1)} skipped")
+    return clauses
+
+
+def summary_text(report: Report) -> str:
+    """One paragraph: what the run trained, how long, and its key numbers. A number the inputs
+    lack is left out of the sentence."""
+    n = report.numbers
+    text = f"Run {report.run_id} trained" + (f" {report.task}" if report.task else "")
+    steps = f"{n.num_steps}"
+    if report.configured_steps is not None and report.configured_steps != n.num_steps:
+        steps += f" of {report.configured_steps}"
+    text += f" for {steps} step{'s' * (steps != '1')}"
+    if report.mode:
+        text += f" in {report.mode}"
+        if report.eta is not None:
+            text += f" (η={_eta(report.eta)})"
+    if n.duration_s is not None:
+        text += f" in {_duration(n.duration_s)}"
+    clauses = _clauses(n, report.num_corrupt_lines)
+    return text + (": " + "; ".join(clauses) if clauses else "") + "."
+
+
+def table_rows(report: Report) -> list[tuple[str, str]]:
+    """(label, value) rows of the key-number table; "no data" where the inputs lack it."""
+    n = report.numbers
+    none = "no data"
+
+    def accuracy(value: float | None, sampled: float | None, where: str) -> str:
+        if value is None:
+            return none
+        text = _percent(value) + where
+        return text + (f" (sampled: {_percent(sampled)})" if sampled is not None else "")
+
+    final_where = ""
+    if n.final_eval_step is not None:
+        final_where = f" at step {n.final_eval_step}" + (
+            "" if n.final_eval_kind == "final" else " (no final eval: the last one)"
+        )
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(n.groups_rejected.items()))
+    k = f" ({n.num_reward_steps_averaged})" if n.num_reward_steps_averaged else ""
+    return [
+        (
+            "Held-out accuracy, warm start (greedy)",
+            accuracy(n.warm_start_accuracy, n.warm_start_sampled_accuracy, ""),
+        ),
+        (
+            "Held-out accuracy, final (greedy)",
+            accuracy(n.final_accuracy, n.final_sampled_accuracy, final_where),
+        ),
+        (
+            "Gain",
+            none if n.accuracy_gain_points is None else f"{n.accuracy_gain_points:+.1f} points",
+        ),
+        ("Eval size", none if n.eval_n is None else f"{n.eval_n} prompts"),
+        (f"Mean reward, first 10% of steps{k}", _fixed(n.reward_first, 3)),
+        (f"Mean reward, last 10% of steps{k}", _fixed(n.reward_last, 3)),
+        ("Staleness, mean over trained groups", _fixed(n.staleness_mean, 2)),
+        ("Staleness, max", none if n.staleness_max is None else str(n.staleness_max)),
+        (
+            "Tokens/s (median over steps)",
+            none if n.tokens_per_s_median is None else _rate(n.tokens_per_s_median),
+        ),
+        (
+            "Weight sync per version (median)",
+            none if n.weight_sync_median_s is None else f"{_seconds(n.weight_sync_median_s)} s",
+        ),
+        (
+            "Weight-sync transfers",
+            f"{n.num_transfers_committed} committed, {n.num_transfers_failed} failed"
+            if n.num_transfers_committed or n.num_transfers_failed
+            else none,
+        ),
+        (
+            "Reward t_collect (median)",
+            none if n.t_collect_median_s is None else f"{_seconds(n.t_collect_median_s)} s",
+        ),
+        ("Reward overlap ratio (median)", _fixed(n.overlap_median, 2)),
+        (
+            "Groups trained",
+            none
+            if n.groups_trained is None
+            else f"{n.groups_trained}" + (f" (rejected: {rejected})" if rejected else ""),
+        ),
+        (
+            "Trajectories of trained groups, scored",
+            none if n.trajectories_trained is None else str(n.trajectories_trained),
+        ),
+        (
+            "Trajectories of trained groups, failed in rollout (infra)",
+            none if n.trajectories_failed is None else str(n.trajectories_failed),
+        ),
+        ("Tokens trained", none if n.trained_tokens is None else f"{n.trained_tokens:.0f}"),
+    ]
+
+
+def _fixed(value: float | None, digits: int) -> str:
+    return "no data" if value is None else f"{value:.{digits}f}"
+
+
+# -- plots --------------------------------------------------------------------------------------
+
+
+def _no_data(ax: Any, reason: str = "") -> None:
+    ax.text(
+        0.5,
+        0.55,
+        "no data",
+        ha="center",
+        va="center",
+        fontsize=16,
+        color="0.45",
+        transform=ax.transAxes,
+    )
+    if reason:
+        ax.text(
+            0.5,
+            0.4,
+            reason,
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="0.45",
+            transform=ax.transAxes,
+        )
+    # tick_params, not set_xticks: the x axis may be shared with a panel that has data
+    ax.tick_params(bottom=False, left=False, labelbottom=False, labelleft=False)
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        if (v := _number(r.get(key))) is not None:
+            xs.append(r["step"])
+            ys.append(v)
+    return xs, ys
+
+
+def _style(n: int) -> dict[str, Any]:
+    return {"marker": "o", "markersize": 3} if n <= 60 else {}
+
+
+def plot_reward_accuracy(fig: Figure, inputs: RunInputs) -> bool:
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    xs, ys = _series(inputs.steps, "reward_mean")
+    if xs:
+        top.plot(xs, ys, color="tab:blue", label="reward_mean", **_style(len(xs)))
+        std_x, std = _series(inputs.steps, "reward_std")
+        if std_x == xs:
+            lo = [y - s for y, s in zip(ys, std, strict=True)]
+            hi = [y + s for y, s in zip(ys, std, strict=True)]
+            top.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, label="± reward_std")
+        top.set_ylabel("reward (trained rows)")
+        top.legend(loc="best", fontsize=8)
+        top.grid(alpha=0.3)
+    else:
+        _no_data(top, f"{STEPS_FILE}: no reward_mean")
+    evals = inputs.evals
+    if evals:
+        steps = [e["step"] for e in evals]
+        bottom.plot(
+            steps,
+            [e["accuracy"] * 100 for e in evals],
+            color="tab:green",
+            marker="o",
+            markersize=4,
+            label="held-out accuracy (greedy)",
+        )
+        sampled = [
+            (e["step"], v * 100)
+            for e in evals
+            if (v := _number(e.get("sampled_accuracy"))) is not None
+        ]
+        if sampled:
+            bottom.plot(
+                *zip(*sampled, strict=True),
+                color="tab:olive",
+                linestyle="--",
+                marker=".",
+                label="held-out accuracy (sampled)",
+            )
+        for kind, marker, label in (("warm_start", "*", "warm start"), ("final", "s", "final")):
+            for marked in (e for e in evals if e.get("kind") == kind):
+                point = (marked["step"], marked["accuracy"] * 100)
+                bottom.plot(*point, marker=marker, markersize=12, color="tab:red", linestyle="none")
+                bottom.annotate(
+                    f"{label} {point[1]:.1f}%",
+                    point,
+                    textcoords="offset points",
+                    xytext=(6, 6),
+                    fontsize=8,
+                )
+        bottom.set_ylabel("held-out accuracy (%)")
+        bottom.set_xlabel("trainer step (evals: steps completed)")
+        bottom.legend(loc="best", fontsize=8)
+        bottom.grid(alpha=0.3)
+    else:
+        _no_data(bottom, f"{EVAL_FILE}: no evaluation")
+        if xs:  # the shared x axis shows its ticks on the top panel instead
+            top.tick_params(labelbottom=True)
+            top.set_xlabel("trainer step")
+    fig.suptitle("Reward per step and held-out accuracy")
+    return bool(xs or evals)
+
+
+def plot_staleness(fig: Figure, inputs: RunInputs) -> bool:
+    ax = fig.subplots()
+    histogram: dict[int, int] = {}
+    for record in inputs.steps:
+        for key, count in _histogram(record).items():
+            histogram[key] = histogram.get(key, 0) + count
+    if not histogram:
+        _no_data(ax, f"{STEPS_FILE}: no staleness_histogram")
+        return False
+    keys = sorted(histogram)
+    ax.bar(keys, [histogram[k] for k in keys], color="tab:purple")
+    ax.set_xticks(keys)
+    ax.set_xlabel("staleness (step - prompt step + 1; 1 = on-policy batch)")
+    ax.set_ylabel("trained groups")
+    ax.set_title("Staleness of trained groups (all steps)")
+    ax.grid(axis="y", alpha=0.3)
+    return True
+
+
+def plot_log_ratio(fig: Figure, inputs: RunInputs) -> bool:
+    ax = fig.subplots()
+    drawn = False
+    for key, label, color in (
+        ("abs_log_ratio_mean", "mean", "tab:blue"),
+        ("abs_log_ratio_p99", "p99", "tab:orange"),
+    ):
+        xs, ys = _series(inputs.steps, key)
+        if xs:
+            ax.plot(xs, ys, label=label, color=color, **_style(len(xs)))
+            drawn = True
+    if not drawn:
+        _no_data(ax, "no abs_log_ratio_* in the step records (bypass mode?)")
+        return False
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("|log π_old - log μ| per token")
+    ax.set_title("Trainer vs rollout log-prob mismatch")
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    return True
+
+
+def plot_tokens_per_s(fig: Figure, inputs: RunInputs) -> bool:
+    ax = fig.subplots()
+    xs, ys = _series(inputs.steps, "tokens_per_s")
+    if not xs:
+        _no_data(ax, f"{STEPS_FILE}: no tokens_per_s")
+        return False
+    ax.plot(xs, ys, color="tab:blue", label="tokens/s", **_style(len(xs)))
+    median = statistics.median(ys)
+    ax.axhline(median, color="0.4", linestyle="--", label=f"median {_rate(median)}")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("trained tokens / s (excluding wait)")
+    ax.set_title("Trainer throughput")
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    return True
+
+
+def plot_weight_sync(fig: Figure, inputs: RunInputs) -> bool:
+    ax = fig.subplots()
+    committed = [t for t in inputs.transfers if t.get("state", "committed") == "committed"]
+    boundaries: set[str] = set()
+    for t in committed:
+        if isinstance(t.get("durations_s"), dict):
+            boundaries.update(t["durations_s"])
+    order = [b for b in BOUNDARY_ORDER if b in boundaries] + sorted(
+        boundaries - set(BOUNDARY_ORDER)
+    )
+    drawn = False
+    for boundary in order:
+        points = [
+            (t["version"], v)
+            for t in committed
+            if isinstance(t.get("durations_s"), dict)
+            and (v := _number(t["durations_s"].get(boundary))) is not None
+        ]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=boundary)
+            drawn = True
+    totals = [(t["version"], v) for t in committed if (v := transfer_total_s(t)) is not None]
+    if len(order) > 1 and totals:
+        ax.plot(*zip(*totals, strict=True), color="black", linewidth=2, label="total")
+    failed = [t["version"] for t in inputs.transfers if t.get("state") == "failed"]
+    for i, version in enumerate(failed):
+        ax.axvline(version, color="tab:red", linestyle=":", label="failed" if i == 0 else None)
+    if not drawn and not failed:
+        _no_data(ax, f"{TRANSFERS_FILE}: no transfer with durations")
+        return False
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("weight version")
+    ax.set_ylabel("seconds")
+    ax.set_title("Weight-sync duration per boundary (pause_window contains load and restore)")
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    return True
+
+
+def plot_reward_timing(fig: Figure, inputs: RunInputs) -> bool:
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    collect = [(t.step, t.t_collect_s) for t in inputs.timings if t.t_collect_s is not None]
+    overlap = [(t.step, t.overlap_ratio) for t in inputs.timings if t.overlap_ratio is not None]
+    if not collect:
+        _no_data(top, f"{REWARD_TIMING_FILE}: no step with a scored trajectory")
+        _no_data(bottom)
+        return False
+    top.plot(*zip(*collect, strict=True), color="tab:orange", **_style(len(collect)))
+    top.set_ylabel("t_collect (s)")
+    top.set_ylim(bottom=0)
+    top.grid(alpha=0.3)
+    bottom.plot(*zip(*overlap, strict=True), color="tab:green", **_style(len(overlap)))
+    bottom.set_ylim(-0.05, 1.05)
+    bottom.set_ylabel("overlap ratio")
+    bottom.set_xlabel("trainer step")
+    bottom.grid(alpha=0.3)
+    fig.suptitle("Reward wait after rollout (t_collect) and reward hidden behind rollout")
+    return True
+
+
+# name -> (caption, plot function); the page shows them in this order.
+PLOTS: dict[str, tuple[str, Callable[[Figure, RunInputs], bool]]] = {
+    "reward_accuracy": ("Reward per step and held-out accuracy", plot_reward_accuracy),
+    "staleness": ("Staleness histogram of trained groups, all steps", plot_staleness),
+    "log_ratio": ("|log π_old - log μ| per step (mean and p99)", plot_log_ratio),
+    "tokens_per_s": ("Trainer tokens/s per step", plot_tokens_per_s),
+    "weight_sync": ("Weight-sync duration per boundary, per version", plot_weight_sync),
+    "reward_timing": ("Reward t_collect and overlap ratio per step", plot_reward_timing),
+}
+
+
+def draw_plots(inputs: RunInputs, plot_dir: Path) -> tuple[dict[str, Path], list[str]]:
+    """Writes one PNG per entry of PLOTS; returns their paths and the names without data."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths, no_data = {}, []
+    for name, (_, draw) in PLOTS.items():
+        fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+        FigureCanvasAgg(fig)  # no display backend, no pyplot state
+        if not draw(fig, inputs):
+            no_data.append(name)
+        path = plot_dir / f"{name}.png"
+        fig.savefig(path, format="png")
+        paths[name] = path
+    return paths, no_data
+
+
+# -- HTML ---------------------------------------------------------------------------------------
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto;
+       max-width: 60rem; padding: 0 1rem; color: #222; line-height: 1.45; }
+h1 { font-size: 1.5rem; margin-bottom: 0.2rem; }
+.meta { color: #555; margin-top: 0; }
+.meta b { color: #222; }
+.summary { background: #f4f6fa; border-left: 4px solid #4a7bd0; padding: 0.8rem 1rem; }
+.notice { background: #fff6e0; border-left: 4px solid #e0a020; padding: 0.5rem 1rem; }
+table { border-collapse: collapse; margin: 1rem 0; }
+td { border-bottom: 1px solid #ddd; padding: 0.3rem 1rem 0.3rem 0; vertical-align: top; }
+td.value { font-variant-numeric: tabular-nums; font-weight: 600; }
+td.nodata { color: #999; font-weight: normal; }
+figure { margin: 1.5rem 0; }
+figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 0.9rem; }
+pre { background: #f7f7f7; padding: 0.5rem; overflow-x: auto; font-size: 0.8rem; }
+"""
+
+
+def _header(report: Report, run: dict[str, Any]) -> str:
+    e = html.escape
+    n = report.numbers
+    items = []
+    for label, value in (("task", report.task), ("mode", report.mode)):
+        if value:
+            items.append(f"{label} <b>{e(value)}</b>")
+    if report.eta is not None:
+        items.append(f"η <b>{_eta(report.eta)}</b>")
+    steps = f"{n.num_steps}"
+    if report.configured_steps is not None:
+        steps += f" of {report.configured_steps}"
+    items.append(f"steps <b>{steps}</b>")
+    if n.duration_s is not None:
+        items.append(f"duration <b>{_duration(n.duration_s)}</b>")
+    elif _number(run.get("started")) is not None:
+        items.append("duration <b>unfinished</b>")
+    if (started := _number(run.get("started"))) is not None:
+        when = datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%d %H:%M UTC")
+        items.append(f"started <b>{when}</b>")
+    return (
+        f"<h1>relayrl run <code>{e(report.run_id)}</code></h1>\n"
+        f'<p class="meta">{" · ".join(items)}</p>\n'
+    )
+
+
+def _notices(report: Report) -> str:
+    e = html.escape
+    lines = []
+    if report.missing_inputs:
+        names = ", ".join(f"<code>{e(m)}</code>" for m in report.missing_inputs)
+        lines.append(f"Missing or empty inputs: {names}.")
+    if report.corrupt_lines:
+        items = ", ".join(
+            f"<code>{e(name)}</code> {n}" for name, n in sorted(report.corrupt_lines.items())
+        )
+        lines.append(
+            f"Skipped {report.num_corrupt_lines} corrupt or unusable line"
+            f"{'s' * (report.num_corrupt_lines != 1)}: {items}."
+        )
+    if not lines:
+        return ""
+    return '<div class="notice">' + "<br>\n".join(lines) + "</div>\n"
+
+
+def render_html(report: Report, run: dict[str, Any]) -> str:
+    """The self-contained page: inline CSS, images referenced as report/<name>.png."""
+    e = html.escape
+    rows = []
+    for label, value in table_rows(report):
+        css = "value nodata" if value == "no data" else "value"
+        rows.append(f'<tr><td>{e(label)}</td><td class="{css}">{e(value)}</td></tr>')
+    figures = []
+    for name, path in report.plots.items():
+        caption = PLOTS[name][0] + (" — no data" if name in report.no_data_plots else "")
+        src = f"{PLOT_DIR}/{path.name}"
+        figures.append(
+            f'<figure id="{e(name)}"><img src="{e(src)}" alt="{e(caption)}">'
+            f"<figcaption>{e(caption)}</figcaption></figure>"
+        )
+    run_json = json.dumps(run, indent=2, sort_keys=True, default=str)
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>relayrl run {e(report.run_id)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+        + _header(report, run)
+        + _notices(report)
+        + f'<p class="summary">{e(summary_text(report))}</p>\n'
+        + '<h2>Key numbers</h2>\n<table class="numbers">\n'
+        + "\n".join(rows)
+        + "\n</table>\n<h2>Plots</h2>\n"
+        + "\n".join(figures)
+        + f"\n<details><summary>run.json</summary><pre>{e(run_json)}</pre></details>\n"
+        + "</body>\n</html>\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m relayrl.up.report RUN_DIR`: (re)writes a run's report, prints its summary."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("run_dir", type=Path, help="the run directory (runs/<id>)")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        parser.error(f"{args.run_dir} is not a directory")
+    report = write_report(args.run_dir)
+    print(summary_text(report))
+    print(f"report: {report.html_path}")
+
+
+if __name__ == "__main__":
+    main()

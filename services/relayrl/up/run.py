@@ -1,0 +1,301 @@
+"""`relayrl up`: one training run on the local stack, from an empty folder to a report.
+
+    prepare    task files, the tiny model, the warm start (cached)
+    start      redis-server, reward-service, engine, gateway, weight-sync (each ready in turn)
+    evaluate   held-out accuracy of the warm start (version 0)
+    train      the trainer, supervised with the rest; progress every step, held-out
+               accuracy every `eval.interval_steps`
+    finish     final held-out accuracy, reward timing from the TransferQueue, report.html,
+               the summary paragraph; everything stopped
+
+Ctrl-C or SIGTERM stops the run cleanly at any point: the trainer finishes its step and
+checkpoints, every child is stopped by PID, Redis flushes its AOF; `relayrl up --resume
+runs/<id>` continues from there (a second Ctrl-C stops at once, without the checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from relayrl.up.config import UpConfig
+from relayrl.up.evaluate import EvalRecord, Evaluator, append_record, read_records
+from relayrl.up.prepare import (
+    RunFiles,
+    base_model,
+    build_task,
+    max_tokens,
+    warm_start,
+    write_task_files,
+)
+from relayrl.up.progress import Progress
+from relayrl.up.stack import ORDER, Event, Stack
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM while starting: unwind and stop what was started."""
+
+
+@dataclass
+class Signals:
+    """SIGINT/SIGTERM: the first asks the run to stop (raising `Interrupted` while `raising`);
+    the second stops at once."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    raising: bool = True
+    count: int = 0
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        self.stop.set()
+        if self.raising or self.count > 1:
+            self.raising = False  # raise once: the unwinding itself must not be interrupted
+            raise Interrupted(signal.Signals(signum).name)
+
+
+def new_run_dir(runs_dir: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = runs_dir / f"r-{stamp}"
+    n = 1
+    while run_dir.exists():
+        n += 1
+        run_dir = runs_dir / f"r-{stamp}-{n}"
+    return run_dir
+
+
+def load_run_config(run_dir: Path) -> UpConfig:
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        raise ValueError(f"{run_dir} is not a relayrl run (no config.yaml)")
+    return UpConfig.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")))
+
+
+class Run:
+    def __init__(
+        self,
+        config: UpConfig,
+        run_dir: Path,
+        *,
+        resume: bool = False,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.resume = resume
+        self.say = say
+        self.signals = Signals()
+        self.stack: Stack | None = None
+        self.evaluator: Evaluator | None = None
+        self._eval_thread: threading.Thread | None = None
+        self.eval_log = run_dir / "eval.jsonl"
+
+    # -- run.json ---------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        path = self.run_dir / "run.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def _update_state(self, **changes: Any) -> None:
+        state = self._state() | changes
+        path = self.run_dir / "run.json"
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(state, indent=2, default=str))
+        scratch.replace(path)
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def main(self) -> int:
+        self.signals.install()
+        try:
+            return self._main()
+        except Interrupted as exc:
+            self.say(f"relayrl up: {exc}: stopping")
+            self._shutdown("stopped")
+            return EXIT_INTERRUPTED
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_DFL)
+
+    def _main(self) -> int:
+        c = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        started = time.time()
+        if self.resume:
+            self.say(f"relayrl up: resuming {self.run_dir}")
+            self._update_state(
+                state="starting", resumed=[*self._state().get("resumed", []), started]
+            )
+        else:
+            self.say(f"relayrl up: run {self.run_dir.name} in {self.run_dir}")
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False)
+            )
+            self._update_state(
+                run_id=self.run_dir.name,
+                task=c.task.name,
+                mode=c.train.mode,
+                eta=c.train.effective_eta,
+                steps=c.train.steps,
+                started=started,
+                finished=None,
+                state="preparing",
+            )
+        task = build_task(c)
+        data_dir = self.run_dir / "data"
+        files = RunFiles(
+            data_dir / "prompts.jsonl", data_dir / "heldout.jsonl", data_dir / "sft.jsonl"
+        )
+        if not (self.resume and files.prompts.exists()):
+            files = write_task_files(task, c, data_dir)
+        model = base_model(c, self.say)
+        warm = warm_start(c, model, files.sft, self.run_dir / "logs" / "sft.log", self.say)
+        self._update_state(model_dir=str(model), warm_start_dir=str(warm))
+
+        self.say("starting the stack:")
+        self.stack = Stack(c, self.run_dir, warm, files, on_event=self._on_event)
+        self.stack.build()
+        self.stack.start(ORDER[:-1], say=self.say)
+        self.evaluator = Evaluator(
+            task,
+            files.heldout,
+            warm,
+            max_tokens=max_tokens(c),
+            temperature=c.train.temperature,
+            sampled=c.eval.sampled,
+        )
+        if not any(r.get("kind") == "warm_start" for r in read_records(self.eval_log)):
+            self._evaluate("warm_start", 0)
+        self.stack.start(("trainer",), say=self.say)
+        self.stack.supervise()
+        self._update_state(state="training")
+        self.signals.raising = False
+        outcome = self._train()
+        if outcome == "completed":
+            self._evaluate("final", c.train.steps)
+        self._shutdown(outcome)
+        return {"completed": EXIT_OK, "stopped": EXIT_INTERRUPTED}.get(outcome, EXIT_FAILED)
+
+    def _train(self) -> str:
+        """Watches the trainer until it completes, the run is stopped, or a child gives up."""
+        assert self.stack is not None
+        c = self.config
+        progress = Progress(self.run_dir, self.stack, c.train.steps, self.say)
+        trainer = self.stack.children["trainer"]
+        interval = c.eval.interval_steps
+        next_eval = interval if interval else None
+        while True:
+            if self.signals.stop.wait(1.0):
+                return "stopped"
+            before, step = progress.completed, progress.poll()
+            if step > before:  # the trainer exits when done: keep its last scrape
+                self.stack.snapshot_metrics(self.run_dir / "metrics", ("trainer",))
+            if self.stack.failed:
+                self.say(f"relayrl up: {self.stack.failure}")
+                return "failed"
+            if not trainer.alive() and trainer.exit_code() == 0:
+                progress.poll()
+                self._join_eval()
+                return "completed"
+            evaluating = self._eval_thread is not None and self._eval_thread.is_alive()
+            if next_eval is not None and next_eval <= step < c.train.steps and not evaluating:
+                self._eval_thread = threading.Thread(
+                    target=self._evaluate, args=("periodic", step), daemon=True
+                )
+                self._eval_thread.start()
+                next_eval = (step // interval + 1) * interval
+
+    def _join_eval(self) -> None:
+        if self._eval_thread is not None:
+            self._eval_thread.join(timeout=300)
+
+    def _evaluate(self, kind: str, step: int) -> EvalRecord | None:
+        assert self.evaluator is not None and self.stack is not None
+        try:
+            record = self.evaluator.run(self.stack.engine_url, kind, step)
+        except Exception as exc:  # an engine restarting: the next evaluation will tell
+            self.say(f"  held-out evaluation ({kind}) failed: {exc}")
+            return None
+        append_record(self.eval_log, record)
+        sampled = (
+            f", sampled {record.sampled_accuracy:.1%}"
+            if record.sampled_accuracy is not None
+            else ""
+        )
+        self.say(
+            f"  held-out accuracy ({kind.replace('_', ' ')}, version {record.version}): "
+            f"{record.accuracy:.1%} greedy{sampled} on {record.n} questions "
+            f"({record.seconds:.0f} s)"
+        )
+        return record
+
+    def _on_event(self, event: Event) -> None:
+        if event.kind in ("exited", "restarted", "gave_up", "restart_failed"):
+            self.say(f"  supervisor: {event.child} {event.kind} {event.detail}".rstrip())
+
+    def _shutdown(self, outcome: str) -> None:
+        """Stops the stack, then writes what the run produced (also for a stopped run)."""
+        stack = self.stack
+        timing_error = None
+        if stack is not None:
+            self.say("stopping the stack...")
+            try:
+                self._reward_timing(stack)
+            except Exception as exc:  # Redis gone: the report goes without it
+                timing_error = exc
+            stack.snapshot_metrics(self.run_dir / "metrics")
+            stack.stop(say=self.say)
+        self._update_state(state=outcome, finished=time.time() if outcome == "completed" else None)
+        if timing_error is not None:
+            self.say(f"  reward timing unavailable: {timing_error}")
+        self._report(outcome)
+        if outcome != "completed":
+            self.say(f"resume with: relayrl up --resume {self.run_dir}")
+
+    def _reward_timing(self, stack: Stack) -> None:
+        from relayrl.tq import TQConfig, TransferQueue
+        from relayrl.up.progress import StepLog
+        from relayrl.up.stack import NAMESPACE
+        from relayrl.up.timing import reward_timing, write_reward_timing
+
+        records = StepLog(self.run_dir / "trainer" / "steps.jsonl").new_records()
+        steps = [(int(r["step"]), list(r.get("uids", []))) for r in records]
+        if not steps or not stack.children["redis"].alive():
+            return
+        tq = TransferQueue.from_config(
+            TQConfig(url=stack.redis_url, namespace=NAMESPACE, partitions=[])
+        )
+        try:
+            timings = reward_timing(tq, "train", steps)
+        finally:
+            tq.close()
+        write_reward_timing(self.run_dir, timings)
+
+    def _report(self, outcome: str) -> None:
+        try:
+            from relayrl.up.report import summary_text, write_report
+
+            report = write_report(self.run_dir)
+        except Exception as exc:
+            self.say(f"report: failed ({exc}); the raw records are in {self.run_dir}")
+            return
+        self.say(f"report: {self.run_dir / 'report.html'}")
+        self.say("")
+        self.say(summary_text(report))

@@ -1,0 +1,518 @@
+"""The local stack: a private redis-server, the four services and one vLLM engine as child
+processes, wired together on fixed loopback ports and supervised.
+
+Ports are chosen once per `relayrl up` and kept across restarts, so a restarted gateway is
+found where the trainer and weight-sync already look for it. Every child leads its own process
+group (a Ctrl-C in the terminal reaches only `relayrl up`, which stops them in order) and is
+stopped by PID.
+
+Supervision: a child that exits when nobody asked it to is started again after a backoff
+(doubling), up to `supervision.max_restarts` times. What a restart means per child:
+- reward-service, gateway: stateless; the TransferQueue holds their work (unacknowledged
+  events are redelivered, claims expire after their lease and are claimed again);
+- trainer: resumes from its last checkpoint; the groups consumed after it go back to scored;
+- engine: loads the warm start from disk and registers with weight-sync, which sends it the
+  committed version before it serves again;
+- redis-server: replays its AOF.
+The trainer's exit 0 means the run is complete; it is not restarted.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from relayrl.core.service_process import ServiceProcess
+from relayrl.engine.config import EngineConfig
+from relayrl.engine.process import EngineProcess
+from relayrl.tq.server import RedisServer, free_port
+from relayrl.up.config import UpConfig, deep_merge
+from relayrl.up.prepare import RunFiles, max_tokens
+
+logger = logging.getLogger(__name__)
+
+SERVICES = ("reward", "gateway", "weightsync", "trainer")
+# Start order; stop order is the reverse (the trainer first, Redis last).
+ORDER = ("redis", "reward", "engine-0", "gateway", "weightsync", "trainer")
+NAMESPACE = "relayrl"
+PARTITION = "train"
+
+
+class Child(abc.ABC):
+    """One supervised process."""
+
+    name: str
+    restarts: int = 0
+
+    @abc.abstractmethod
+    def start(self, timeout_s: float) -> None: ...
+
+    @abc.abstractmethod
+    def alive(self) -> bool: ...
+
+    @abc.abstractmethod
+    def exit_code(self) -> int | None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Graceful stop, then SIGKILL to whatever is left of its process group."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """SIGKILL (a crash), for fault tests."""
+
+    @property
+    @abc.abstractmethod
+    def pid(self) -> int | None: ...
+
+    def describe(self) -> dict[str, Any]:
+        return {"pid": self.pid, "restarts": self.restarts}
+
+
+class RedisChild(Child):
+    def __init__(self, data_dir: Path, port: int) -> None:
+        self.name = "redis"
+        self.server = RedisServer(data_dir, port=port)
+
+    def start(self, timeout_s: float) -> None:
+        self.server.start(timeout_s=min(timeout_s, 120.0))
+
+    def alive(self) -> bool:
+        process = self.server._process
+        return process is not None and process.poll() is None
+
+    def exit_code(self) -> int | None:
+        process = self.server._process
+        return None if process is None else process.poll()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "url": self.server.url}
+
+
+class ServiceChild(Child):
+    def __init__(self, name: str, command: str, config: dict[str, Any], workdir: Path, log: Path):
+        self.name = name
+        self.process = ServiceProcess(command, config, workdir, log_path=log)
+        self.config = config
+
+    def start(self, timeout_s: float) -> None:
+        self.process.start(timeout_s=timeout_s)
+
+    def alive(self) -> bool:
+        return self.process.alive()
+
+    def exit_code(self) -> int | None:
+        p = self.process.process
+        return None if p is None else p.poll()
+
+    def stop(self) -> None:
+        # The trainer finishes its step and checkpoints on SIGTERM; give it the time.
+        self.process.stop(timeout_s=120.0 if self.name == "trainer" else 20.0)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    @property
+    def pid(self) -> int | None:
+        p = self.process.process
+        return None if p is None else p.pid
+
+    def describe(self) -> dict[str, Any]:
+        grpc, metrics = self.config["grpc"], self.config["metrics"]
+        return {
+            **super().describe(),
+            "target": f"{grpc['host']}:{grpc['port']}",
+            "metrics": f"http://{metrics['host']}:{metrics['port']}/metrics",
+        }
+
+
+class EngineChild(Child):
+    def __init__(
+        self, name: str, config: EngineConfig, workdir: Path, log: Path, on_restart: Callable
+    ) -> None:
+        self.name = name
+        self.config, self.workdir, self.log = config, workdir, log
+        self.process: EngineProcess | None = None
+        self._on_restart = on_restart
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def start(self, timeout_s: float) -> None:
+        self.process = EngineProcess(self.config, self.workdir, log_path=self.log)
+        self.process.start(timeout_s=timeout_s)
+        if self.restarts:
+            self._on_restart(self)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def exit_code(self) -> int | None:
+        if self.process is None or self.process.process is None:
+            return None
+        return self.process.process.poll()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop(timeout_s=20.0)
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None or self.process.process is None else self.process.pid
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "url": self.url}
+
+
+@dataclass
+class Ports:
+    redis: int
+    engine: int
+    grpc: dict[str, int]
+    metrics: dict[str, int]
+    agent_http: int
+
+    @classmethod
+    def choose(cls) -> Ports:
+        taken: set[int] = set()
+
+        def pick() -> int:
+            while (port := free_port()) in taken:
+                pass
+            taken.add(port)
+            return port
+
+        return cls(
+            redis=pick(),
+            engine=pick(),
+            grpc={s: pick() for s in SERVICES},
+            metrics={s: pick() for s in SERVICES},
+            agent_http=pick(),
+        )
+
+
+@dataclass
+class Event:
+    time: float
+    child: str
+    kind: str  # started, exited, restarted, gave_up, stopped
+    detail: str = ""
+
+
+@dataclass
+class Stack:
+    """The children of one run, their configs and their supervision."""
+
+    config: UpConfig
+    run_dir: Path
+    model_dir: Path
+    files: RunFiles
+    ports: Ports = field(default_factory=Ports.choose)
+    children: dict[str, Child] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    on_event: Callable[[Event], None] = lambda event: None
+    failure: str = ""
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _thread: threading.Thread | None = None
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports.redis}/0"
+
+    def target(self, service: str) -> str:
+        return f"127.0.0.1:{self.ports.grpc[service]}"
+
+    def metrics_url(self, service: str) -> str:
+        return f"http://127.0.0.1:{self.ports.metrics[service]}/metrics"
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.engine}"
+
+    # -- configs ----------------------------------------------------------------------------
+
+    def _base(self, service: str) -> dict[str, Any]:
+        return {
+            "grpc": {"host": "127.0.0.1", "port": self.ports.grpc[service]},
+            "metrics": {"host": "127.0.0.1", "port": self.ports.metrics[service]},
+            "logging": {"json": True},
+        }
+
+    def _tq(self) -> dict[str, Any]:
+        return {"url": self.redis_url, "namespace": NAMESPACE, "partitions": [PARTITION]}
+
+    def service_configs(self) -> dict[str, dict[str, Any]]:
+        c = self.config
+        train = c.train
+        eta = train.effective_eta
+        d = self.run_dir
+        reward = {
+            **self._base("reward"),
+            "tq": self._tq(),
+            "tq_scorer": {"enabled": True, "partitions": [PARTITION], "reclaim_idle_s": 10},
+        }
+        gateway = {
+            **self._base("gateway"),
+            "tq": self._tq(),
+            "tokenizer": str(self.model_dir),
+            "engines": {"urls": [self.engine_url], "health_interval_s": 1.0},
+            "rollout": {
+                "partitions": [PARTITION],
+                "eta": float(eta),
+                "batch_size": train.batch_groups,
+                "lease_s": 20.0,
+                "max_response_tokens": max_tokens(c),
+                "claimer": "gateway-0",
+            },
+            "agent_http": {"enabled": True, "port": self.ports.agent_http},
+        }
+        weightsync = {
+            **self._base("weightsync"),
+            "bucket_size_bytes": 4 * 1024 * 1024,
+            "engines": {"urls": [self.engine_url], "load_timeout_s": 120},
+            "data_plane": {"transport": c.weightsync.transport, "timeout_s": 60},
+            "gateway": {"target": self.target("gateway"), "default_timeout_s": 30},
+            "metrics_log": str(d / "weightsync" / "transfers.jsonl"),
+        }
+        trainer = {
+            **self._base("trainer"),
+            "tq": self._tq(),
+            "model": {"hf_dir": str(self.model_dir), "seed": train.seed, "max_seq_len": 1024},
+            "optim": {"lr": train.lr},
+            "algorithm": {
+                "mode": train.mode,
+                "eta": eta,
+                "train_batch_groups": train.batch_groups,
+                "mini_batch_groups": train.batch_groups,
+                "micro_batch_size": train.micro_batch_size,
+                "temperature": train.temperature,
+            },
+            "data": {
+                "prompts_file": str(self.files.prompts),
+                "partition": PARTITION,
+                "samples_per_prompt": train.samples_per_prompt,
+                "shuffle_seed": train.seed,
+                "run_id": self.run_dir.name,
+                "max_tokens": max_tokens(c),
+                "poll_interval_s": 0.05,
+                "wait_timeout_s": 600,
+            },
+            "checkpoint": {
+                "dir": str(d / "trainer" / "checkpoints"),
+                "interval_steps": train.checkpoint_interval_steps,
+                "keep": 2,
+            },
+            "publish": {
+                "type": "weightsync",
+                "target": self.target("weightsync"),
+                "wait_for_commit": True,
+            },
+            "gateway": {"target": self.target("gateway"), "default_timeout_s": 30},
+            "total_steps": train.steps,
+            "metrics_log": str(d / "trainer" / "steps.jsonl"),
+        }
+        over = c.services
+        return {
+            "reward": deep_merge(reward, over.reward),
+            "gateway": deep_merge(gateway, over.gateway),
+            "weightsync": deep_merge(weightsync, over.weightsync),
+            "trainer": deep_merge(trainer, over.trainer),
+        }
+
+    def engine_config(self) -> EngineConfig:
+        e = self.config.engine
+        return EngineConfig(
+            model=self.model_dir,
+            port=self.ports.engine,
+            max_model_len=e.max_model_len,
+            max_num_seqs=e.max_num_seqs,
+            cpu_kv_cache_space_gib=e.kv_cache_gib,
+            seed=self.config.train.seed,
+            cache_dir=self.config.runs_dir / "cache" / "vllm",
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def build(self) -> None:
+        d = self.run_dir
+        logs = d / "logs"
+        self.children["redis"] = RedisChild(d / "redis", self.ports.redis)
+        configs = self.service_configs()
+        for name in SERVICES:
+            self.children[name] = ServiceChild(
+                name, f"relayrl-{name}", configs[name], d / "services" / name, logs / f"{name}.log"
+            )
+        self.children["engine-0"] = EngineChild(
+            "engine-0", self.engine_config(), d / "services" / "engine-0",
+            logs / "engine-0.log", self._engine_restarted,
+        )  # fmt: skip
+
+    def start(self, names: tuple[str, ...] = ORDER, say: Callable[[str], None] = print) -> None:
+        """Starts `names` in order (each ready before the next) and writes stack.json."""
+        if not self.children:
+            self.build()
+        timeout_s = self.config.supervision.start_timeout_s
+        for name in names:
+            child = self.children[name]
+            started = time.monotonic()
+            child.start(timeout_s)
+            self._record(Event(time.time(), name, "started", f"pid {child.pid}"))
+            say(f"  {name:<11} ready in {time.monotonic() - started:5.1f} s (pid {child.pid})")
+        self.write_state()
+
+    def write_state(self) -> None:
+        state = {
+            "redis_url": self.redis_url,
+            "namespace": NAMESPACE,
+            "partition": PARTITION,
+            "engines": [self.engine_url],
+            "children": {name: child.describe() for name, child in self.children.items()},
+            "written": time.time(),
+        }
+        path = self.run_dir / "stack.json"
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(state, indent=2))
+        scratch.replace(path)
+
+    def _record(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+        with (self.run_dir / "logs" / "supervisor.jsonl").open("a") as log:
+            log.write(json.dumps(event.__dict__) + "\n")
+        self.on_event(event)
+
+    def supervise(self) -> None:
+        """Watch the children in a background thread until `stop()`."""
+        self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        backoff: dict[str, float] = {}
+        while not self._stopping.wait(0.5):
+            for name in ORDER:
+                child = self.children.get(name)
+                if child is None or child.pid is None or child.alive():
+                    continue
+                code = child.exit_code()
+                if name == "trainer" and code == 0:
+                    continue  # finished: the run loop notices
+                if self._stopping.is_set():
+                    return
+                self._record(Event(time.time(), name, "exited", f"code {code}"))
+                if child.restarts >= self.config.supervision.max_restarts:
+                    self.failure = (
+                        f"{name} exited (code {code}) {child.restarts + 1} times; giving up "
+                        f"(see {self.run_dir / 'logs' / (name + '.log')})"
+                    )
+                    self._record(Event(time.time(), name, "gave_up", self.failure))
+                    self._stopping.set()
+                    return
+                delay = backoff.get(name, self.config.supervision.restart_backoff_s)
+                backoff[name] = min(delay * 2, 30.0)
+                if self._stopping.wait(delay):
+                    return
+                child.restarts += 1
+                try:
+                    child.start(self.config.supervision.start_timeout_s)
+                except Exception as exc:  # it counts as another exit on the next round
+                    self._record(Event(time.time(), name, "restart_failed", str(exc)[:500]))
+                    continue
+                self._record(Event(time.time(), name, "restarted", f"pid {child.pid}"))
+                self.write_state()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failure)
+
+    def stop(self, say: Callable[[str], None] = print) -> None:
+        """Stops every child, the trainer first (it checkpoints) and Redis last (its AOF
+        is flushed on SIGTERM); idempotent."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        for name in reversed(ORDER):
+            child = self.children.get(name)
+            if child is None or child.pid is None:
+                continue
+            with contextlib.suppress(Exception):
+                was_alive = child.alive()
+                child.stop()
+                if was_alive:
+                    self._record(Event(time.time(), name, "stopped"))
+        self.write_state()
+
+    def snapshot_metrics(
+        self, out_dir: Path, names: tuple[str, ...] | None = None
+    ) -> dict[str, str]:
+        """Each live service's and engine's /metrics as it stands (or only `names`'), saved to
+        `<out_dir>/<name>.prom`: what a Prometheus scrape sees. Problems by name."""
+        import urllib.error
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        urls = {name: self.metrics_url(name) for name in SERVICES}
+        urls |= {
+            name: f"{child.url}/metrics"
+            for name, child in self.children.items()
+            if isinstance(child, EngineChild)
+        }
+        if names is not None:
+            urls = {name: url for name, url in urls.items() if name in names}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        problems = {}
+        for name, url in urls.items():
+            child = self.children.get(name)
+            if child is None or not child.alive():
+                continue
+            try:
+                with opener.open(url, timeout=10) as response:
+                    body = response.read()
+                scratch = out_dir / f".{name}.prom.tmp"
+                scratch.write_bytes(body)
+                scratch.replace(out_dir / f"{name}.prom")
+            except (urllib.error.URLError, OSError) as exc:
+                problems[name] = str(exc)
+        return problems
+
+    def _engine_restarted(self, engine: EngineChild) -> None:
+        """A restarted engine holds the warm start: weight-sync sends it the committed
+        version (paused until loaded) before it is routed to again."""
+        asyncio.run(_register_engine(self.target("weightsync"), engine.url))
+
+
+async def _register_engine(target: str, url: str) -> None:
+    import grpc
+
+    from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+    from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = weightsync_pb2_grpc.WeightSyncStub(channel)
+        await stub.RegisterEngine(
+            pb.RegisterEngineRequest(replica_id=url, url=url, current_version=0), timeout=30
+        )

@@ -1,0 +1,158 @@
+"""`relayrl status [RUN_DIR]`: the state of a run's stack, asked of the stack itself.
+
+    run r-20261129-201500 (arith, separate_async, eta 1): training, started 4m12s ago
+    services: redis ok (pid 1234) · reward SERVING · gateway SERVING · weightsync SERVING
+              · trainer SERVING (step 23/60) · engine-0 ok
+    weights:  committed v23; engine-0 v23
+    queue:    groups pending=3 running=5 scored=2 consumed=184 | trajectories ...
+
+Every line comes from a live call (gRPC health, Trainer.GetStatus, WeightSync.GetVersion,
+the TransferQueue's counts); what does not answer says so instead of failing the command.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+def latest_run(runs_dir: Path) -> Path | None:
+    runs = [p for p in runs_dir.glob("r-*") if (p / "run.json").exists()]
+    return max(runs, key=lambda p: (p / "run.json").stat().st_mtime, default=None)
+
+
+def _health(target: str) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S
+            )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        return f"down ({exc.code().name})"
+
+
+def _http_ok(url: str) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url + "/health", timeout=HEALTH_TIMEOUT_S) as response:
+            return "ok" if response.status == 200 else f"HTTP {response.status}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"down ({getattr(exc, 'reason', exc)})"
+
+
+def _trainer_status(target: str) -> str:
+    import grpc
+
+    from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = trainer_pb2_grpc.TrainerStub(channel).GetStatus(
+                trainer_pb2.GetStatusRequest(), timeout=HEALTH_TIMEOUT_S
+            )
+    except grpc.RpcError:
+        return ""
+    return f"step {reply.step}/{reply.total_steps}, published v{reply.published_version.version}"
+
+
+def status_lines(run_dir: Path) -> list[str]:
+    from relayrl.up.progress import replica_versions
+
+    run = json.loads((run_dir / "run.json").read_text())
+    lines = [
+        f"run {run.get('run_id', run_dir.name)} ({run.get('task')}, {run.get('mode')}, "
+        f"eta {run.get('eta')}, {run.get('steps')} steps): {run.get('state')}"
+        + (f", started {_ago(run['started'])} ago" if run.get("started") else "")
+    ]
+    stack_file = run_dir / "stack.json"
+    if not stack_file.exists() or run.get("state") in ("completed", "stopped", "failed"):
+        lines.append("stack: not running" + (f" ({run.get('state')})" if run.get("state") else ""))
+        lines += _eval_lines(run_dir)
+        return lines
+    stack = json.loads(stack_file.read_text())
+    children: dict[str, Any] = stack["children"]
+    health = []
+    for name, child in children.items():
+        restarts = f", {child['restarts']} restarts" if child.get("restarts") else ""
+        if name == "redis":
+            state = _redis_ok(stack["redis_url"])
+        elif name.startswith("engine-"):
+            state = _http_ok(child["url"])
+        else:
+            state = _health(child["target"])
+            if name == "trainer":
+                extra = _trainer_status(child["target"])
+                state += f" ({extra})" if extra else ""
+        health.append(f"{name} {state} (pid {child.get('pid')}{restarts})")
+    lines.append("services: " + "; ".join(health))
+    ws = children.get("weightsync")
+    versions = replica_versions(ws["target"]) if ws else None
+    if versions is None:
+        lines.append("weights:  weight-sync does not answer")
+    else:
+        lines.append(
+            "weights:  "
+            + "; ".join(
+                f"{rid} v{v}{'' if live else ' (drained)'}" for rid, (v, live) in versions.items()
+            )
+        )
+    lines += _queue_lines(stack)
+    lines += _eval_lines(run_dir)
+    return lines
+
+
+def _redis_ok(url: str) -> str:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=HEALTH_TIMEOUT_S)
+        client.ping()
+        client.close()
+        return "ok"
+    except redis.RedisError as exc:
+        return f"down ({exc})"
+
+
+def _queue_lines(stack: dict[str, Any]) -> list[str]:
+    import redis
+
+    from relayrl.tq import TQConfig, TransferQueue
+
+    try:
+        tq = TransferQueue.from_config(
+            TQConfig(url=stack["redis_url"], namespace=stack["namespace"], partitions=[])
+        )
+        counts = tq.counts(stack["partition"])
+        tq.close()
+    except (redis.RedisError, Exception) as exc:
+        return [f"queue:    unavailable ({exc})"]
+    groups = " ".join(f"{s.value}={n}" for s, n in counts.groups.items())
+    trajectories = " ".join(f"{s.value}={n}" for s, n in counts.trajectories.items())
+    return [f"queue:    groups {groups}", f"          trajectories {trajectories}"]
+
+
+def _eval_lines(run_dir: Path) -> list[str]:
+    from relayrl.up.evaluate import read_records
+
+    records = read_records(run_dir / "eval.jsonl")
+    if not records:
+        return []
+    text = ", ".join(f"{r['accuracy']:.1%}@{r['step']}" for r in records[-6:])
+    return [f"held-out: {text} (greedy accuracy at trainer step)"]
+
+
+def _ago(started: float) -> str:
+    seconds = int(time.time() - started)
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

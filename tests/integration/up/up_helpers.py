@@ -1,0 +1,251 @@
+"""Running `relayrl up` as a user does (the console script, a config file, a runs folder) and
+auditing what it left: the TransferQueue (Redis restarted on the run's AOF), the trainer's
+step log, weight-sync's transfer log, the metrics snapshots, and the process table."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import TransferQueue
+from relayrl.tq.model import GroupStatus
+from relayrl.tq.server import RedisServer
+
+NAMESPACE, PARTITION = "relayrl", "train"
+
+# A short run: a small warm start (cached under runs/cache for the whole test session), few
+# groups, no DAPO filter (a weak warm start gives many groups without signal, and each would
+# cost another rollout; the filter has its own tests).
+SHORT_RUN: dict[str, Any] = {
+    "task": {"train_prompts": 400, "heldout_prompts": 20},
+    "warm_start": {"examples": 300, "epochs": 1},
+    "train": {"steps": 3, "batch_groups": 2, "samples_per_prompt": 4},
+    "eval": {"interval_steps": 2, "sampled": False},
+    "engine": {"max_num_seqs": 32},
+    "services": {"trainer": {"algorithm": {"dapo_filter": False}}},
+}
+
+
+def deep_update(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = (
+            deep_update(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
+    return out
+
+
+def relayrl() -> str:
+    return str(Path(sys.executable).parent / "relayrl")
+
+
+@dataclass
+class UpProcess:
+    """`relayrl up` in its own session (so a test's SIGINT reaches only it)."""
+
+    process: subprocess.Popen[bytes]
+    runs_dir: Path
+    log_path: Path
+
+    @classmethod
+    def start(cls, runs_dir: Path, config: dict[str, Any], *args: str) -> UpProcess:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        config_path = runs_dir / f"up-{time.monotonic_ns()}.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        log_path = config_path.with_suffix(".log")
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [relayrl(), "up", "--config", str(config_path), "--runs-dir", str(runs_dir), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        return cls(process, runs_dir, log_path)
+
+    @classmethod
+    def resume(cls, run_dir: Path, *args: str) -> UpProcess:
+        log_path = run_dir.parent / f"resume-{time.monotonic_ns()}.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [relayrl(), "up", "--resume", str(run_dir), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        return cls(process, run_dir.parent, log_path)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def run_dir(self) -> Path:
+        for line in self.output().splitlines():
+            if line.startswith("relayrl up: run ") or line.startswith("relayrl up: resuming "):
+                return Path(line.rsplit(" ", 1)[-1])
+        raise AssertionError(f"no run folder announced yet:\n{self.output()}")
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait(180)
+            raise AssertionError(
+                f"relayrl up did not finish in {timeout_s} s:\n{self.output()}"
+            ) from None
+
+    def interrupt(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+
+    def stop(self) -> None:
+        """Cleanup for a failed test: SIGINT, then SIGKILL to whatever the run left."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(180)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        try:
+            for pid in stack_pids(self.run_dir):
+                kill_group(pid)
+        except AssertionError:
+            pass
+
+
+def stack_state(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "stack.json").read_text())
+
+
+def stack_pids(run_dir: Path) -> list[int]:
+    path = run_dir / "stack.json"
+    if not path.exists():
+        return []
+    children = json.loads(path.read_text())["children"]
+    return [c["pid"] for c in children.values() if c.get("pid")]
+
+
+def kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def steps_logged(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "trainer" / "steps.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_steps(up: UpProcess, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if up.process.poll() is not None:
+            raise AssertionError(f"relayrl up exited {up.process.returncode}:\n{up.output()}")
+        try:
+            if len({r["step"] for r in steps_logged(up.run_dir)}) >= n:
+                return
+        except AssertionError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{n} steps not logged in {timeout_s} s:\n{up.output()}")
+
+
+def processes_of(run_dir: Path) -> list[str]:
+    """Live processes whose command line or working directory names the run folder, or
+    whose PID the stack recorded: what a clean shutdown must not leave behind."""
+    pids = set(stack_pids(run_dir))
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if process.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmdline = " ".join(process.info["cmdline"] or [])
+            if process.pid in pids or str(run_dir) in cmdline:
+                found.append(f"{process.pid}: {cmdline[:200]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@dataclass
+class Audit:
+    """What the TransferQueue says happened to every group and trajectory of a run."""
+
+    groups: dict[str, Any] = field(default_factory=dict)  # uid -> GroupWithTrajectories
+    statuses: Counter[str] = field(default_factory=Counter)
+    consume_events: Counter[str] = field(default_factory=Counter)  # uid -> "-> consumed" count
+
+    def infra_trajectories(self) -> list[str]:
+        return [t.key for g in self.groups.values() for t in g.trajectories if t.tags.is_infra]
+
+    def consumed_at(self) -> dict[str, int]:
+        return {
+            uid: g.group.tags.consumed_step
+            for uid, g in self.groups.items()
+            if g.group.tags.status == GroupStatus.CONSUMED.to_proto()
+        }
+
+
+def audit_queue(run_dir: Path) -> Audit:
+    """Restarts the run's redis-server on its AOF (on a new port) and reads every group."""
+    server = RedisServer(run_dir / "redis")
+    server.start()
+    try:
+        tq = TransferQueue(server.client(), namespace=NAMESPACE)
+        prefix = tq.key_prefix(PARTITION)
+        uids = sorted(key.decode()[len(prefix) + 2 :] for key in tq.redis.scan_iter(f"{prefix}g:*"))
+        audit = Audit()
+        for group in tq.get_groups(PARTITION, uids):
+            audit.groups[group.group.uid] = group
+            audit.statuses[common_pb2.GroupStatus.Name(group.group.tags.status)] += 1
+        start = "-"
+        while True:
+            events = tq.read_events(PARTITION, start, 10_000)
+            for event in events:
+                if event.kind == "group" and event.to_status == "consumed":
+                    audit.consume_events[event.key] += 1
+            if len(events) < 10_000:
+                break
+            start = "(" + events[-1].id
+        tq.close()
+        return audit
+    finally:
+        server.stop()
+
+
+def final_step_records(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """The last record of each step (a step retried after a trainer crash is logged twice)."""
+    return {int(r["step"]): r for r in steps_logged(run_dir)}
+
+
+def check_exactly_once(run_dir: Path, audit: Audit) -> None:
+    """Every group a step trained is consumed at that step in the queue, and no group is
+    trained at two steps."""
+    records = final_step_records(run_dir)
+    trained: dict[str, int] = {}
+    for step, record in records.items():
+        for uid in record["uids"]:
+            assert uid not in trained, f"{uid} trained at steps {trained[uid]} and {step}"
+            trained[uid] = step
+    consumed = audit.consumed_at()
+    for uid, step in trained.items():
+        assert consumed.get(uid) == step, (uid, step, consumed.get(uid))
+    # consumed but not trained: only groups the step judged unusable (none without the filter)
+    assert set(consumed) >= set(trained)
