@@ -57,12 +57,18 @@ class GatewayLink:
         )
 
     def pause(self) -> None:
-        self._call(
-            "PauseReplicas", rollout_pb2.PauseReplicasRequest(mode=rollout_pb2.PAUSE_MODE_KEEP)
+        # Waits (within the deadline) for a gateway that is restarting.
+        request = rollout_pb2.PauseReplicasRequest(mode=rollout_pb2.PAUSE_MODE_KEEP)
+        self._stub.PauseReplicas(
+            request, timeout=self._config.default_timeout_s, wait_for_ready=True
         )
 
     def resume(self) -> None:
-        self._call("ResumeReplicas", rollout_pb2.ResumeReplicasRequest())
+        self._stub.ResumeReplicas(
+            rollout_pb2.ResumeReplicasRequest(),
+            timeout=self._config.default_timeout_s,
+            wait_for_ready=True,
+        )
 
     def close(self) -> None:
         self._channel.close()

@@ -21,7 +21,9 @@ SERVICE_FULL_NAME = "relayrl.proto.weightsync.v1.WeightSync"
 
 
 class GatewayControl:
-    """The switch's calls to the rollout-gateway (pause, resume at a version, drain)."""
+    """The switch's calls to the rollout-gateway (pause, resume at a version, drain). Each
+    waits for the gateway within its deadline (`wait_for_ready`): a gateway that is restarting
+    delays a switch by seconds instead of failing the version."""
 
     def __init__(self, config: Any) -> None:
         from relayrl.core.grpc_client import channel_from_config
@@ -37,7 +39,9 @@ class GatewayControl:
             "keep": self._pb.PAUSE_MODE_KEEP,
             "wait": self._pb.PAUSE_MODE_WAIT,
         }
-        await self._stub.PauseReplicas(self._pb.PauseReplicasRequest(mode=modes[mode]))
+        await self._stub.PauseReplicas(
+            self._pb.PauseReplicasRequest(mode=modes[mode]), wait_for_ready=True
+        )
 
     async def resume(self, version: int | None) -> None:
         from relayrl.proto.common.v1 import common_pb2
@@ -45,11 +49,12 @@ class GatewayControl:
         request = self._pb.ResumeReplicasRequest()
         if version is not None:  # labels the version and resets the prefix cache
             request.version.CopyFrom(common_pb2.WeightVersion(version=version))
-        await self._stub.ResumeReplicas(request)
+        await self._stub.ResumeReplicas(request, wait_for_ready=True)
 
     async def drain(self, replica_id: str, reason: str) -> None:
         await self._stub.DrainReplica(
-            self._pb.DrainReplicaRequest(replica_id=replica_id, reason=reason[:500])
+            self._pb.DrainReplicaRequest(replica_id=replica_id, reason=reason[:500]),
+            wait_for_ready=True,
         )
 
     async def close(self) -> None:
