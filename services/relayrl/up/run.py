@@ -185,10 +185,11 @@ class Run:
             self._evaluate("warm_start", 0)
         self.stack.start(("trainer",), say=self.say)
         self.stack.supervise()
-        self._update_state(state="training")
+        self._update_state(state="training", training_started=time.time())
         self.signals.raising = False
         outcome = self._train()
         if outcome == "completed":
+            self._update_state(training_finished=time.time())
             self._evaluate("final", c.train.steps)
         self._shutdown(outcome)
         return {"completed": EXIT_OK, "stopped": EXIT_INTERRUPTED}.get(outcome, EXIT_FAILED)
