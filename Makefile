@@ -17,7 +17,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -55,6 +55,9 @@ test-unit: setup ## run the pure-logic unit tests only
 
 test-integration: setup ## run the tests against real redis-server, gRPC servers and processes
 	$(BIN)/python -m pytest tests/integration
+
+test-learning: setup ## the full default `relayrl up` run, asserting the held-out gain (~15 min; not in CI)
+	$(BIN)/python -m pytest --run-learning -m learning tests
 
 lint: setup ## ruff check + format check; every proto compiles and v1 changed additively only
 	$(BIN)/ruff check services tests bench

@@ -11,6 +11,23 @@ from relayrl.tq import TransferQueue
 from relayrl.tq.server import RedisServer
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-learning",
+        action="store_true",
+        help="run the `learning` tests (the full default `relayrl up`, ~15 min each)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-learning"):
+        return
+    skip = pytest.mark.skip(reason="a full learning run: `make test-learning` runs it")
+    for item in items:
+        if "learning" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 model and tokenizer (`relayrl model init` defaults), built once per run

@@ -47,6 +47,7 @@ def sample_value(text: str, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
 def test_a_short_run_in_each_mode(runs_dir: Path, mode: str) -> None:
     steps = SHORT_RUN["train"]["steps"]
@@ -102,6 +103,7 @@ def test_a_short_run_in_each_mode(runs_dir: Path, mode: str) -> None:
     assert all(c["restarts"] == 0 for c in stack_state(run_dir)["children"].values())
 
 
+@pytest.mark.timeout(1200)
 def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> None:
     config = deep_update(SHORT_RUN, {"train": {"steps": 4}})
     up = UpProcess.start(runs_dir, config, "--mode", "separate_async")

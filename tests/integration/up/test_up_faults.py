@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from up_helpers import (
     SHORT_RUN,
     UpProcess,
@@ -41,6 +42,7 @@ def crash(up: UpProcess, name: str, timeout_s: float = 300) -> None:
     raise AssertionError(f"{name} not restarted in {timeout_s} s:\n{up.output()}")
 
 
+@pytest.mark.timeout(1200)
 def test_killed_services_are_restarted_and_nothing_is_lost_or_trained_twice(
     tmp_path: Path,
 ) -> None:

@@ -1,0 +1,34 @@
+"""The default `relayrl up` really learns: held-out accuracy on arith (greedy, questions the
+training never sees) ends at least 15 points above the warm start's, within the 15 minutes
+the default run is sized for. A full run: `make test-learning`, not part of `make test`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from up_helpers import UpProcess, processes_of
+
+MIN_GAIN_POINTS = 15.0
+BUDGET_S = 15 * 60
+
+
+@pytest.mark.learning
+@pytest.mark.timeout(BUDGET_S + 900)
+def test_the_default_run_gains_15_points_of_heldout_accuracy(tmp_path: Path) -> None:
+    up = UpProcess.start(tmp_path / "runs", {})  # every default, as `make run`
+    try:
+        assert up.wait(BUDGET_S + 600) == 0, up.output()
+        run_dir = up.run_dir
+    finally:
+        up.stop()
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    warm = next(e for e in evals if e["kind"] == "warm_start")
+    final = next(e for e in evals if e["kind"] == "final")
+    gain = (final["accuracy"] - warm["accuracy"]) * 100
+    print(f"held-out accuracy {warm['accuracy']:.1%} -> {final['accuracy']:.1%} ({gain:+.1f})")
+    assert gain >= MIN_GAIN_POINTS, up.output()
+    state = json.loads((run_dir / "run.json").read_text())
+    assert state["finished"] - state["started"] <= BUDGET_S, state
+    assert processes_of(run_dir) == []
