@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,6 +67,7 @@ def sft_main(argv: Sequence[str]) -> int:
     from relayrl.trainer.server import free_port, quiet_megatron
     from relayrl.trainer.sft import SftDataError, SftSettings, run_sft
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_megatron("INFO")
 
     if "WORLD_SIZE" not in os.environ:

@@ -101,7 +101,7 @@ class Evaluator:
         loops = build_agent_loops()
         context = AgentContext(
             tokenizer=self.tokenizer,
-            sampling=SamplingOptions(max_tokens=self.max_tokens, temperature=temperature, seed=0),
+            sampling=SamplingOptions(max_tokens=self.max_tokens, temperature=temperature),
             max_turns=self.max_turns,
             max_response_tokens=self.max_tokens,
             tools=self.tools,
@@ -124,8 +124,10 @@ class Evaluator:
                 )
             return score(self.task, rollout.response_text, record.ground_truth)
 
-        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(self.records)))
-        return sum(results)
+        # A TaskGroup: one failure (an engine going away) cancels the rest at once.
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(i, r)) for i, r in enumerate(self.records)]
+        return sum(task.result() for task in tasks)
 
 
 def append_record(path: Path, record: EvalRecord) -> None:

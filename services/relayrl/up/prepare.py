@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -82,6 +83,34 @@ def write_task_files(task: Task, config: UpConfig, data_dir: Path) -> RunFiles:
     return files
 
 
+_EPOCH_LINE = re.compile(r"sft epoch (\d+): loss ([0-9.]+)")
+
+
+def _wait_reporting_epochs(
+    process: subprocess.Popen[bytes],
+    log_path: Path,
+    epochs: int,
+    started: float,
+    say: Callable[[str], None],
+) -> int:
+    """Waits for the SFT process, saying each epoch's loss as its log reports it."""
+    reported = 0
+    while True:
+        try:
+            code = process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        for match in list(_EPOCH_LINE.finditer(text))[reported:]:
+            reported += 1
+            say(
+                f"warm start: epoch {match.group(1)}/{epochs}, loss {float(match.group(2)):.3f} "
+                f"({time.monotonic() - started:.0f} s)"
+            )
+        if code is not None:
+            return code
+
+
 def digest(payload: Any) -> str:
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -112,11 +141,11 @@ def base_model(config: UpConfig, say: Callable[[str], None]) -> Path:
         say(f"model: {path} (cached)")
         return path
 
-    def build(out: Path) -> None:
-        info = init_model(out, model)
-        say(f"model: built a tiny Qwen2 ({info.summary()})")
-
-    return _cached(path, build)
+    built = []
+    _cached(path, lambda out: built.append(init_model(out, model)))
+    info = built[0]
+    say(f"model: built a tiny Qwen2 in {path} ({info.num_params} parameters)")
+    return path
 
 
 def warm_start(
@@ -167,7 +196,7 @@ def warm_start(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
             try:
-                code = process.wait()
+                code = _wait_reporting_epochs(process, log_path, ws.epochs, started, say)
             except BaseException:  # Ctrl-C: the SFT child goes with us
                 process.kill()
                 process.wait()

@@ -232,6 +232,8 @@ class Run:
         try:
             record = self.evaluator.run(self.stack.engine_url, kind, step)
         except Exception as exc:  # an engine restarting: the next evaluation will tell
+            if isinstance(exc, ExceptionGroup):
+                exc = exc.exceptions[0]
             self.say(f"  held-out evaluation ({kind}) failed: {exc}")
             return None
         append_record(self.eval_log, record)
