@@ -37,12 +37,22 @@ def _sft_parser() -> argparse.ArgumentParser:
         help='JSONL: {"prompt": str | "messages": [...], "answer": str} per line',
     )
     parser.add_argument("--out", required=True, type=Path, help="HF folder to write (new)")
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=1, help="epochs (at most, with a target)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch-size", type=int, default=16, help="examples per update")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--eval-data",
+        type=Path,
+        help="JSONL held aside (same format): its expected sampled accuracy after each epoch",
+    )
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        help="stop after the first epoch whose --eval-data accuracy reaches this (0..1)",
+    )
     return parser
 
 
@@ -55,6 +65,10 @@ def sft_main(argv: Sequence[str]) -> int:
     ]
     if args.lr <= 0:
         problems.append("--lr must be > 0")
+    if args.target_accuracy is not None and not (
+        args.eval_data is not None and 0.0 < args.target_accuracy <= 1.0
+    ):
+        problems.append("--target-accuracy needs --eval-data and a value in (0, 1]")
     if not (args.model / "config.json").is_file():
         problems.append(f"--model {args.model}: no config.json (make one: relayrl model init DIR)")
     if args.out.exists():
@@ -85,6 +99,8 @@ def sft_main(argv: Sequence[str]) -> int:
         micro_batch_size=args.micro_batch_size,
         max_seq_len=args.max_seq_len,
         seed=args.seed,
+        eval_data=args.eval_data,
+        target_accuracy=args.target_accuracy,
     )
     try:
         result = run_sft(settings)

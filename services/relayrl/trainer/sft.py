@@ -40,6 +40,11 @@ class SftSettings:
     max_seq_len: int = 512
     seed: int = 0
     tensor_parallel: int = 1
+    eval_data: Path | None = None
+    """Held-aside examples (same format): after each epoch, the expected exact-match accuracy
+    of a sample at temperature 1 on them (the mean of exp(sum of the answer's log-probs))."""
+    target_accuracy: float | None = None
+    """Stop after the first epoch whose eval accuracy reaches this (needs eval_data)."""
 
 
 @dataclass
@@ -48,20 +53,22 @@ class SftExample:
     mask: np.ndarray  # 1 on answer tokens (the positions whose log-prob is trained)
 
 
-def load_examples(settings: SftSettings, tokenizer) -> list[SftExample]:
+def load_examples(settings: SftSettings, tokenizer, path: Path | None = None) -> list[SftExample]:
+    """The examples of `path` (default: `settings.data`), tokenized as rollout renders them."""
     from relayrl.gateway.agents import prompt_token_ids, turn_end_token_ids
     from relayrl.proto.common.v1 import common_pb2
 
+    path = path or settings.data
     end = list(turn_end_token_ids(tokenizer))
     examples = []
     try:
-        lines = settings.data.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise SftDataError(f"{settings.data}: cannot read ({exc.strerror})") from None
+        raise SftDataError(f"{path}: cannot read ({exc.strerror})") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"{settings.data}:{number}"
+        where = f"{path}:{number}"
         try:
             raw = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -89,8 +96,22 @@ def load_examples(settings: SftSettings, tokenizer) -> list[SftExample]:
             )
         examples.append(SftExample(ids, mask))
     if not examples:
-        raise SftDataError(f"{settings.data}: no examples")
+        raise SftDataError(f"{path}: no examples")
     return examples
+
+
+def sampled_accuracy(model, examples: list[SftExample], micro_batch_size: int) -> float:
+    """Expected exact-match accuracy of one sample at temperature 1: the mean over examples of
+    the probability of the whole answer, exp(sum of its tokens' log-probs). Forward only."""
+    from relayrl.trainer.forward import TokenBatch, forward_logprobs
+
+    total = 0.0
+    for first in range(0, len(examples), 256):
+        chunk = examples[first : first + 256]
+        ids, lengths, mask = _collate(chunk)
+        logp = forward_logprobs(model, TokenBatch(ids, lengths), micro_batch_size=micro_batch_size)
+        total += float(torch.exp((logp * mask).sum(dim=1)).sum())
+    return total / len(examples)
 
 
 def _collate(examples: list[SftExample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,6 +154,9 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     examples = load_examples(settings, tokenizer)
+    held_aside = (
+        load_examples(settings, tokenizer, settings.eval_data) if settings.eval_data else []
+    )
     init_parallel(settings.tensor_parallel, settings.seed)
     spec = ModelSpec.from_hf_dir(settings.model)
     model = build_model(spec)
@@ -140,6 +164,7 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
     optimizer = build_optimizer(model, OptimizerSettings(lr=settings.lr, clip_grad=1.0))
     rng = random.Random(settings.seed)
     epoch_losses = []
+    eval_accuracy = 0.0
     start = time.perf_counter()
     for epoch in range(settings.epochs):
         order = list(range(len(examples)))
@@ -159,12 +184,23 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
             optimizer_step(optimizer)
             losses.append(sum(nll_sums) / float(mask.sum()))
         epoch_losses.append(float(np.mean(losses)))
-        logger.info("sft epoch %d: loss %.4f", epoch + 1, epoch_losses[-1])
+        accuracy = ""
+        if held_aside:
+            eval_accuracy = sampled_accuracy(model, held_aside, settings.micro_batch_size)
+            accuracy = f", eval accuracy {eval_accuracy:.4f}"
+        logger.info("sft epoch %d: loss %.4f%s", epoch + 1, epoch_losses[-1], accuracy)
+        if settings.target_accuracy is not None and eval_accuracy >= settings.target_accuracy:
+            logger.info("sft: eval accuracy reached %.4f: stopping", settings.target_accuracy)
+            break
     save_hf_dir(model, spec, settings.out, tokenizer_from=settings.model)
-    return {
+    result = {
         "first_epoch_loss": epoch_losses[0],
         "last_epoch_loss": epoch_losses[-1],
+        "epochs": float(len(epoch_losses)),
         "examples": float(len(examples)),
         "duration_s": time.perf_counter() - start,
         "perplexity": math.exp(min(epoch_losses[-1], 50.0)),
     }
+    if held_aside:
+        result["eval_accuracy"] = eval_accuracy
+    return result

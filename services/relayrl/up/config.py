@@ -60,6 +60,18 @@ class WarmStartSection(StrictModel):
         0, ge=0, le=65_536, description="Longest example in tokens; 0: the task's default."
     )
     seed: int = Field(0, ge=0, description="Seed of the examples and the shuffle.")
+    target_accuracy: float | None = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="Stop after the first epoch at which a sample at temperature 1 answers "
+        "this share of held-aside training questions (not the held-out ones); `epochs` is "
+        "then the most it runs. Where a tiny model's accuracy jumps after some epochs depends "
+        "on the seed: a target lands GRPO's start in the same place. null: always `epochs`.",
+    )
+    eval_examples: int = Field(
+        500, ge=10, le=100_000, description="Held-aside examples the target is measured on."
+    )
 
 
 class TrainSection(StrictModel):

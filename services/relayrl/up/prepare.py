@@ -69,21 +69,49 @@ class RunFiles:
     prompts: Path
     heldout: Path
     sft: Path
+    sft_eval: Path
+
+    @classmethod
+    def in_dir(cls, data_dir: Path) -> RunFiles:
+        names = ("prompts", "heldout", "sft", "sft_eval")
+        return cls(*(data_dir / f"{name}.jsonl" for name in names))
 
 
 def write_task_files(task: Task, config: UpConfig, data_dir: Path) -> RunFiles:
-    """prompts.jsonl (training), heldout.jsonl (evaluation) and sft.jsonl (warm start). The
-    split is by question, so no held-out question is ever a training prompt or SFT example."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    files = RunFiles(data_dir / "prompts.jsonl", data_dir / "heldout.jsonl", data_dir / "sft.jsonl")
-    seed = config.task.seed
+    """prompts.jsonl (training), heldout.jsonl (evaluation), sft.jsonl (warm start) and
+    sft_eval.jsonl (training questions held aside from the warm start, for its target). The
+    split is by question, so no held-out question is ever a prompt or an SFT example."""
+    files = RunFiles.in_dir(data_dir)
+    seed, ws = config.task.seed, config.warm_start
     write_jsonl(task.prompts("train", config.task.train_prompts, seed), files.prompts)
     write_jsonl(task.prompts("heldout", config.task.heldout_prompts, seed), files.heldout)
-    write_jsonl(task.sft_examples(config.warm_start.examples, config.warm_start.seed), files.sft)
+    sft = task.sft_examples(ws.examples, ws.seed)
+    write_jsonl(sft, files.sft)
+    write_jsonl(_held_aside(task, sft, ws.eval_examples, ws.seed), files.sft_eval)
     return files
 
 
-_EPOCH_LINE = re.compile(r"sft epoch (\d+): loss ([0-9.]+)")
+def _held_aside(task: Task, sft: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """Up to `n` SFT-style examples of training questions that are not SFT examples."""
+    taken = {json.dumps(r, sort_keys=True) for r in sft}
+    for draw in (3 * n, 2 * n, n):
+        try:
+            questions = task.questions("train", draw, seed, stream="sft-eval")
+            break
+        except ValueError:  # the split holds fewer distinct questions
+            continue
+    else:
+        return []
+    aside = [
+        record
+        for question in questions
+        for record in task.sft_turns(question)
+        if json.dumps(record, sort_keys=True) not in taken
+    ]
+    return aside[:n]
+
+
+_EPOCH_LINE = re.compile(r"sft epoch (\d+): loss ([0-9.]+)(?:, eval accuracy ([0-9.]+))?")
 
 
 def _wait_reporting_epochs(
@@ -103,9 +131,11 @@ def _wait_reporting_epochs(
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
         for match in list(_EPOCH_LINE.finditer(text))[reported:]:
             reported += 1
+            accuracy = match.group(3)
+            accuracy = f", sampled accuracy {float(accuracy):.1%}" if accuracy else ""
             say(
-                f"warm start: epoch {match.group(1)}/{epochs}, loss {float(match.group(2)):.3f} "
-                f"({time.monotonic() - started:.0f} s)"
+                f"warm start: epoch {match.group(1)}/{epochs}, loss {float(match.group(2)):.3f}"
+                f"{accuracy} ({time.monotonic() - started:.0f} s)"
             )
         if code is not None:
             return code
@@ -149,7 +179,7 @@ def base_model(config: UpConfig, say: Callable[[str], None]) -> Path:
 
 
 def warm_start(
-    config: UpConfig, model_dir: Path, sft_file: Path, log_path: Path, say: Callable[[str], None]
+    config: UpConfig, model_dir: Path, files: RunFiles, log_path: Path, say: Callable[[str], None]
 ) -> Path:
     """`relayrl-trainer sft` on the task's examples, once per (model, task, settings)."""
     if not config.warm_start.enabled:
@@ -172,15 +202,20 @@ def warm_start(
     def build(out: Path) -> None:
         from relayrl.core.service_process import console_script
 
+        target = (
+            f"until a sample answers {ws.target_accuracy:.0%} of held-aside questions, at most "
+            if ws.target_accuracy is not None
+            else ""
+        )
         say(
-            f"warm start: SFT on {ws.examples} {config.task.name} examples x {ws.epochs} "
-            f"epochs (log: {log_path})"
+            f"warm start: SFT on {ws.examples} {config.task.name} examples, {target}"
+            f"{ws.epochs} epochs (log: {log_path})"
         )
         argv = [
             console_script("relayrl-trainer"),
             "sft",
             "--model", str(model_dir),
-            "--data", str(sft_file),
+            "--data", str(files.sft),
             "--out", str(out),
             "--epochs", str(ws.epochs),
             "--lr", str(ws.lr),
@@ -189,6 +224,11 @@ def warm_start(
             "--max-seq-len", str(sft_max_seq_len(config)),
             "--seed", str(ws.seed),
         ]  # fmt: skip
+        if ws.target_accuracy is not None and files.sft_eval.stat().st_size:
+            argv += [
+                "--eval-data", str(files.sft_eval),
+                "--target-accuracy", str(ws.target_accuracy),
+            ]  # fmt: skip
         started = time.monotonic()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as log:

@@ -159,14 +159,11 @@ class Run:
                 state="preparing",
             )
         task = build_task(c)
-        data_dir = self.run_dir / "data"
-        files = RunFiles(
-            data_dir / "prompts.jsonl", data_dir / "heldout.jsonl", data_dir / "sft.jsonl"
-        )
+        files = RunFiles.in_dir(self.run_dir / "data")
         if not (self.resume and files.prompts.exists()):
-            files = write_task_files(task, c, data_dir)
+            files = write_task_files(task, c, self.run_dir / "data")
         model = base_model(c, self.say)
-        warm = warm_start(c, model, files.sft, self.run_dir / "logs" / "sft.log", self.say)
+        warm = warm_start(c, model, files, self.run_dir / "logs" / "sft.log", self.say)
         self._update_state(model_dir=str(model), warm_start_dir=str(warm))
 
         self.say("starting the stack:")

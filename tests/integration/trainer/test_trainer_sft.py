@@ -102,3 +102,55 @@ def test_sft_refuses_to_overwrite(model_dir: Path, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", pairs(4, 0))
     done = sft("--model", str(model_dir), "--data", str(data), "--out", str(model_dir))
     assert done.returncode == 2 and "exists" in done.stderr
+
+
+def answer_probability(model_dir: Path, rows: list[dict[str, str]]) -> float:
+    """Mean probability of the whole answer (and its <|im_end|>), with transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    total = 0.0
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        p = tokenizer.encode(prompt, add_special_tokens=False)
+        a = [
+            *tokenizer.encode(row["answer"], add_special_tokens=False),
+            tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        ]
+        ids = torch.tensor([p + a])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1)
+        targets = ids[0, 1:]
+        total += float(torch.exp(logp[torch.arange(len(targets)), targets][len(p) - 1 :].sum()))
+    return total / len(rows)
+
+
+def test_sft_stops_at_its_target_accuracy_measured_on_held_aside_examples(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    train, aside = pairs(96, seed=1), pairs(24, seed=3)
+    data = write_jsonl(tmp_path / "d.jsonl", train)
+    eval_data = write_jsonl(tmp_path / "e.jsonl", aside)
+    out = tmp_path / "warm"
+    done = sft(
+        "--model", str(model_dir), "--data", str(data), "--out", str(out), "--epochs", "30",
+        "--lr", "3e-3", "--eval-data", str(eval_data), "--target-accuracy", "0.05",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert 1 <= report["epochs"] < 30 and report["eval_accuracy"] >= 0.05
+    # the accuracy is the model's: the written folder gives the same number under transformers
+    assert report["eval_accuracy"] == pytest.approx(answer_probability(out, aside), rel=1e-3)
+    assert f"eval accuracy {report['eval_accuracy']:.4f}" in done.stderr
+
+
+def test_sft_target_needs_eval_data(model_dir: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", pairs(4, 0))
+    done = sft(
+        "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o"),
+        "--target-accuracy", "0.5",
+    )  # fmt: skip
+    assert done.returncode == 2 and "--target-accuracy needs --eval-data" in done.stderr
