@@ -39,7 +39,7 @@ class TaskSection(StrictModel):
         4000, ge=1, le=1_000_000, description="Distinct training questions (prompts.jsonl)."
     )
     heldout_prompts: int = Field(
-        200,
+        400,
         ge=10,
         le=100_000,
         description="Held-out questions for evaluation; training never sees them.",
@@ -52,8 +52,10 @@ class WarmStartSection(StrictModel):
     reward from its first step. Cached by its inputs under `<runs>/cache/`."""
 
     enabled: bool = Field(True, description="false: GRPO starts from the random model.")
-    examples: int = Field(2000, ge=1, le=1_000_000, description="SFT examples drawn.")
-    epochs: int = Field(2, ge=1, le=100, description="Passes over the examples.")
+    examples: int = Field(4000, ge=1, le=1_000_000, description="SFT examples drawn.")
+    epochs: int = Field(
+        20, ge=1, le=1000, description="Passes over the examples (at most, with a target)."
+    )
     lr: float = Field(2e-3, gt=0.0, le=1.0, description="Learning rate.")
     batch_size: int = Field(16, ge=1, le=4096, description="Examples per update.")
     max_seq_len: int = Field(
@@ -61,7 +63,7 @@ class WarmStartSection(StrictModel):
     )
     seed: int = Field(0, ge=0, description="Seed of the examples and the shuffle.")
     target_accuracy: float | None = Field(
-        0.2,
+        0.15,
         gt=0.0,
         le=1.0,
         description="Stop after the first epoch at which a sample at temperature 1 answers "
@@ -88,17 +90,22 @@ class TrainSection(StrictModel):
         le=64,
         description="How many versions rollout may run ahead; null: 0 for sync, 1 otherwise.",
     )
-    steps: int = Field(60, ge=1, le=1_000_000, description="Trainer steps (published versions).")
+    steps: int = Field(320, ge=1, le=1_000_000, description="Trainer steps (published versions).")
     batch_groups: int = Field(8, ge=1, le=4096, description="Prompt groups per step.")
     samples_per_prompt: int = Field(8, ge=2, le=256, description="Responses per prompt (GRPO).")
-    lr: float = Field(1e-4, gt=0.0, le=1.0, description="Adam learning rate.")
+    lr: float = Field(5e-4, gt=0.0, le=1.0, description="Adam learning rate.")
     max_tokens: int = Field(
         0, ge=0, le=65_536, description="Response token budget; 0: the task's default."
     )
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
     micro_batch_size: int = Field(16, ge=1, le=4096, description="Rows per forward pass.")
     checkpoint_interval_steps: int = Field(
-        1, ge=1, le=100_000, description="A checkpoint every N steps (resume point)."
+        10,
+        ge=1,
+        le=100_000,
+        description="A checkpoint every N steps: the resume point. Any interval keeps every "
+        "trajectory trained exactly once (a resumed trainer returns what it consumed after "
+        "the checkpoint); a shorter one loses less work to a crash.",
     )
     seed: int = Field(0, ge=0, description="Seed of the prompt order and of the trainer.")
 
@@ -120,7 +127,7 @@ class EvalSection(StrictModel):
     """Held-out accuracy: greedy decoding on the engine, scored by the task's rule."""
 
     interval_steps: int = Field(
-        10,
+        20,
         ge=0,
         le=1_000_000,
         description="Evaluate every N trainer steps; 0: only at start and end.",

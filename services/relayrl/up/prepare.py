@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # Per task: response token budget (all turns) and the longest SFT example in tokens. Replies
 # to arith are ~6 tokens; lookup carries ~570 tokens of tool schemas and two tool turns.
 TASK_DEFAULTS: dict[str, dict[str, int]] = {
-    "arith": {"max_tokens": 24, "sft_max_seq_len": 256},
+    "arith": {"max_tokens": 24, "sft_max_seq_len": 128},
     "lookup": {"max_tokens": 128, "sft_max_seq_len": 1024},
 }
 
@@ -58,6 +58,12 @@ def build_task(config: UpConfig) -> Task:
 
 def max_tokens(config: UpConfig) -> int:
     return config.train.max_tokens or TASK_DEFAULTS[config.task.name]["max_tokens"]
+
+
+def sft_micro_batch_size(config: UpConfig) -> int:
+    """Rows per forward pass of the warm start. Part of its cache key: the loss is the same
+    for any size, but float sums in another order send a tiny model's training elsewhere."""
+    return min(config.warm_start.batch_size, 8)
 
 
 def sft_max_seq_len(config: UpConfig) -> int:
@@ -192,6 +198,7 @@ def warm_start(
             "options": config.task.options,
             "warm_start": ws.model_dump(mode="json"),
             "max_seq_len": sft_max_seq_len(config),
+            "micro_batch_size": sft_micro_batch_size(config),
         }
     )
     path = config.runs_dir / "cache" / f"warm-{config.task.name}-{key}"
@@ -220,7 +227,7 @@ def warm_start(
             "--epochs", str(ws.epochs),
             "--lr", str(ws.lr),
             "--batch-size", str(ws.batch_size),
-            "--micro-batch-size", str(min(ws.batch_size, 16)),
+            "--micro-batch-size", str(sft_micro_batch_size(config)),
             "--max-seq-len", str(sft_max_seq_len(config)),
             "--seed", str(ws.seed),
         ]  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from up_helpers import (
     check_exactly_once,
     deep_update,
     processes_of,
+    relayrl,
     stack_state,
     steps_logged,
     wait_for_steps,
@@ -110,10 +112,23 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     try:
         wait_for_steps(up, 2, 600)
         run_dir = up.run_dir
+        status = subprocess.run(
+            [relayrl(), "status", str(run_dir)], capture_output=True, text=True, timeout=60
+        )
         up.interrupt()
         assert up.wait(300) == 130, up.output()
     finally:
         up.stop()
+    # `relayrl status` asked the running stack itself
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout
+    assert "training" in lines.splitlines()[0], lines
+    for name in ("redis ok", "reward SERVING", "gateway SERVING", "weightsync SERVING"):
+        assert name in lines, lines
+    assert "trainer SERVING (step" in lines and "engine-0 ok" in lines, lines
+    assert re.search(r"weights:  http://127\.0\.0\.1:\d+ v\d+", lines), lines
+    assert re.search(r"queue:    groups .*consumed=\d+", lines), lines
+    assert "held-out: " in lines, lines
     assert "resume with: relayrl up --resume" in up.output()
     assert processes_of(run_dir) == []
     assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"

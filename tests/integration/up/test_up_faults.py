@@ -46,7 +46,11 @@ def crash(up: UpProcess, name: str, timeout_s: float = 300) -> None:
 def test_killed_services_are_restarted_and_nothing_is_lost_or_trained_twice(
     tmp_path: Path,
 ) -> None:
-    config = deep_update(SHORT_RUN, {"train": {"steps": STEPS}, "eval": {"interval_steps": 0}})
+    # a checkpoint every 3 steps: the resumed trainer must hand back what it consumed after one
+    config = deep_update(
+        SHORT_RUN,
+        {"train": {"steps": STEPS, "checkpoint_interval_steps": 3}, "eval": {"interval_steps": 0}},
+    )
     up = UpProcess.start(tmp_path / "runs", config, "--mode", "separate_async")
     try:
         wait_for_steps(up, 2, 600)

@@ -32,7 +32,12 @@ NAMESPACE, PARTITION = "relayrl", "train"
 SHORT_RUN: dict[str, Any] = {
     "task": {"train_prompts": 400, "heldout_prompts": 20},
     "warm_start": {"examples": 300, "epochs": 1},
-    "train": {"steps": 3, "batch_groups": 2, "samples_per_prompt": 4},
+    "train": {
+        "steps": 3,
+        "batch_groups": 2,
+        "samples_per_prompt": 4,
+        "checkpoint_interval_steps": 1,
+    },
     "eval": {"interval_steps": 2, "sampled": False},
     "engine": {"max_num_seqs": 32},
     "services": {"trainer": {"algorithm": {"dapo_filter": False}}},
