@@ -90,10 +90,14 @@ class TrainSection(StrictModel):
         le=64,
         description="How many versions rollout may run ahead; null: 0 for sync, 1 otherwise.",
     )
-    steps: int = Field(320, ge=1, le=1_000_000, description="Trainer steps (published versions).")
-    batch_groups: int = Field(8, ge=1, le=4096, description="Prompt groups per step.")
+    steps: int = Field(250, ge=1, le=1_000_000, description="Trainer steps (published versions).")
+    batch_groups: int = Field(16, ge=1, le=4096, description="Prompt groups per step.")
     samples_per_prompt: int = Field(8, ge=2, le=256, description="Responses per prompt (GRPO).")
-    lr: float = Field(5e-4, gt=0.0, le=1.0, description="Adam learning rate.")
+    lr: float = Field(4e-4, gt=0.0, le=1.0, description="Adam learning rate (peak).")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "cosine", description="constant, or cosine from lr down to min_lr over the run."
+    )
+    min_lr: float = Field(4e-5, ge=0.0, le=1.0, description="Last learning rate (cosine).")
     max_tokens: int = Field(
         0, ge=0, le=65_536, description="Response token budget; 0: the task's default."
     )
@@ -120,6 +124,8 @@ class TrainSection(StrictModel):
             raise ValueError(f"mode sync needs eta 0 (got {eta}); use separate_async to run ahead")
         if self.mode == "colocate_async" and eta > 1:
             raise ValueError(f"mode colocate_async allows eta 0 or 1 (got {eta})")
+        if self.lr_schedule == "cosine" and self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         return self
 
 

@@ -303,7 +303,7 @@ class Stack:
             **self._base("trainer"),
             "tq": self._tq(),
             "model": {"hf_dir": str(self.model_dir), "seed": train.seed, "max_seq_len": 1024},
-            "optim": {"lr": train.lr},
+            "optim": {"lr": train.lr, "schedule": train.lr_schedule, "min_lr": train.min_lr},
             "algorithm": {
                 "mode": train.mode,
                 "eta": eta,
