@@ -56,8 +56,19 @@ def test_service_config_mistakes_are_one_line(prog: str, tmp_path: Path) -> None
     assert_one_line_error(missing, prog, "nope.yaml")
 
 
-def test_up_says_it_is_not_available_yet() -> None:
-    assert_one_line_error(run("relayrl", "up"), "relayrl up", "not yet available")
+def test_up_checks_its_flags_before_starting_anything(tmp_path: Path) -> None:
+    """(The whole run is tested in tests/integration/up.)"""
+    assert_one_line_error(
+        run("relayrl", "up", "--mode", "sync", "--eta", "2", "--runs-dir", str(tmp_path)),
+        "relayrl up",
+        "mode sync needs eta 0",
+    )
+    assert_one_line_error(
+        run("relayrl", "up", "--resume", str(tmp_path)), "relayrl up", "is not a relayrl run"
+    )
+    printed = run("relayrl", "up", "--steps", "7", "--print-config")
+    assert printed.returncode == 0 and "steps: 7" in printed.stdout, printed.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing was started or written
 
 
 def test_tq_counts_and_events(redis_server: RedisServer) -> None:

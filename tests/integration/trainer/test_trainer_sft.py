@@ -40,13 +40,13 @@ def sft(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def answer_nll(model_dir: Path, rows: list[dict[str, str]]) -> float:
-    """Mean negative log-likelihood per answer token, with transformers."""
+def answer_token_logprobs(model_dir: Path, rows: list[dict[str, str]]) -> list[torch.Tensor]:
+    """Per row, the log-probs of the answer's tokens and its <|im_end|>, with transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    total, count = 0.0, 0
+    out = []
     for row in rows:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
@@ -60,10 +60,20 @@ def answer_nll(model_dir: Path, rows: list[dict[str, str]]) -> float:
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1)
         targets = ids[0, 1:]
-        token_logp = logp[torch.arange(len(targets)), targets][len(p) - 1 :]
-        total -= float(token_logp.sum())
-        count += len(a)
-    return total / count
+        out.append(logp[torch.arange(len(targets)), targets][len(p) - 1 :])
+    return out
+
+
+def answer_nll(model_dir: Path, rows: list[dict[str, str]]) -> float:
+    """Mean negative log-likelihood per answer token."""
+    token_logps = answer_token_logprobs(model_dir, rows)
+    return -float(sum(t.sum() for t in token_logps)) / sum(len(t) for t in token_logps)
+
+
+def answer_probability(model_dir: Path, rows: list[dict[str, str]]) -> float:
+    """Mean probability of the whole answer: the expected exact-match rate of one sample."""
+    token_logps = answer_token_logprobs(model_dir, rows)
+    return sum(float(torch.exp(t.sum())) for t in token_logps) / len(rows)
 
 
 def test_sft_writes_a_model_that_fits_the_answers_better(model_dir: Path, tmp_path: Path) -> None:
@@ -102,30 +112,6 @@ def test_sft_refuses_to_overwrite(model_dir: Path, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", pairs(4, 0))
     done = sft("--model", str(model_dir), "--data", str(data), "--out", str(model_dir))
     assert done.returncode == 2 and "exists" in done.stderr
-
-
-def answer_probability(model_dir: Path, rows: list[dict[str, str]]) -> float:
-    """Mean probability of the whole answer (and its <|im_end|>), with transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    total = 0.0
-    for row in rows:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["prompt"]}], add_generation_prompt=True, tokenize=False
-        )
-        p = tokenizer.encode(prompt, add_special_tokens=False)
-        a = [
-            *tokenizer.encode(row["answer"], add_special_tokens=False),
-            tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        ]
-        ids = torch.tensor([p + a])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, :-1], dim=-1)
-        targets = ids[0, 1:]
-        total += float(torch.exp(logp[torch.arange(len(targets)), targets][len(p) - 1 :].sum()))
-    return total / len(rows)
 
 
 def test_sft_stops_at_its_target_accuracy_measured_on_held_aside_examples(
