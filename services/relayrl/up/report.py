@@ -670,13 +670,23 @@ def plot_log_ratio(fig: Figure, inputs: RunInputs) -> bool:
     if not drawn:
         _no_data(ax, "no abs_log_ratio_* in the step records (bypass mode?)")
         return False
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("|log π_old - log μ| per token")
-    ax.set_title("Trainer vs rollout log-prob mismatch")
-    ax.legend(loc="best", fontsize=8)
-    ax.grid(alpha=0.3)
+    _label(
+        ax,
+        "trainer step",
+        "|log π_old - log μ| per token",
+        "Trainer vs rollout log-prob mismatch",
+    )
     return True
 
+
+
+def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels, title, legend and grid: how every single-panel plot ends."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
 
 def plot_tokens_per_s(fig: Figure, inputs: RunInputs) -> bool:
     ax = fig.subplots()
@@ -687,11 +697,7 @@ def plot_tokens_per_s(fig: Figure, inputs: RunInputs) -> bool:
     ax.plot(xs, ys, color="tab:blue", label="tokens/s", **_style(len(xs)))
     median = statistics.median(ys)
     ax.axhline(median, color="0.4", linestyle="--", label=f"median {_rate(median)}")
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("trained tokens / s (excluding wait)")
-    ax.set_title("Trainer throughput")
-    ax.legend(loc="best", fontsize=8)
-    ax.grid(alpha=0.3)
+    _label(ax, "trainer step", "trained tokens / s (excluding wait)", "Trainer throughput")
     return True
 
 
@@ -726,11 +732,12 @@ def plot_weight_sync(fig: Figure, inputs: RunInputs) -> bool:
         _no_data(ax, f"{TRANSFERS_FILE}: no transfer with durations")
         return False
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("weight version")
-    ax.set_ylabel("seconds")
-    ax.set_title("Weight-sync duration per boundary (pause_window contains load and restore)")
-    ax.legend(loc="best", fontsize=8)
-    ax.grid(alpha=0.3)
+    _label(
+        ax,
+        "weight version",
+        "seconds",
+        "Weight-sync duration per boundary (pause_window contains load and restore)",
+    )
     return True
 
 
