@@ -679,7 +679,6 @@ def plot_log_ratio(fig: Figure, inputs: RunInputs) -> bool:
     return True
 
 
-
 def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
     """Axis labels, title, legend and grid: how every single-panel plot ends."""
     ax.set_xlabel(xlabel)
@@ -687,6 +686,7 @@ def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_title(title)
     ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
+
 
 def plot_tokens_per_s(fig: Figure, inputs: RunInputs) -> bool:
     ax = fig.subplots()
