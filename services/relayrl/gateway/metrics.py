@@ -73,6 +73,13 @@ class GatewayMetrics:
             ["partition"],
             registry=registry,
         )
+        self.groups_requeued = Counter(
+            _name("groups_requeued", "total"),
+            "Groups whose claimer stopped renewing its lease (a gateway died), returned to "
+            "pending by this gateway's sweep.",
+            ["partition"],
+            registry=registry,
+        )
         self.launch_staleness = Histogram(
             _name("launch_staleness", "steps"),
             "Trainer step at launch minus the group's prompt step.",

@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 # fallback for a missed wake-up.
 IDLE_POLL_S = 1.0
 WATCH_BLOCK_MS = 1000
+# Expired claims are swept at least this often (see LeaseSweeper).
+SWEEP_MAX_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -378,16 +380,62 @@ class RolloutWorker:
         return trajectory
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.stop()
         """Stop claiming; cancel running groups (their claims expire and return to pending,
         keeping the trajectories already written)."""
+        if self._watcher is not None:
+            self._watcher.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         for task in list(self._groups.values()):
             task.cancel()
         await asyncio.gather(*self._groups.values(), return_exceptions=True)
+
+
+class LeaseSweeper:
+    """Returns groups whose claim lease expired to pending, on every partition this gateway
+    serves. A gateway that dies (SIGKILL, node loss) leaves its groups `running` with a lease
+    nobody renews; without a sweep they would stay there, counted as launched by the throttle,
+    and a trainer waiting for them would wait forever. Every gateway sweeps: the requeue is
+    one atomic script, so two sweepers cannot requeue a group twice, and a group whose
+    claimer is alive is never touched (it renews every lease_s / 3)."""
+
+    def __init__(
+        self,
+        tq: TransferQueue,
+        partitions: Sequence[str],
+        lease_s: float,
+        on_requeued: Callable[[str, list[str]], None],
+    ) -> None:
+        self._tq = tq
+        self._partitions = list(dict.fromkeys(partitions))
+        # an expired lease is found within a quarter lease (at most SWEEP_MAX_INTERVAL_S)
+        self.interval_s = max(0.05, min(lease_s / 4, SWEEP_MAX_INTERVAL_S))
+        self._on_requeued = on_requeued
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="lease-sweeper")
+
+    async def sweep_once(self) -> None:
+        for partition in self._partitions:
+            try:
+                uids = await asyncio.to_thread(self._tq.requeue_expired, partition)
+            except TQError as exc:
+                logger.warning("requeueing expired claims on %s failed: %s", partition, exc)
+                continue
+            if uids:
+                self._on_requeued(partition, uids)
+
+    async def _run(self) -> None:
+        while True:
+            await self.sweep_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 class _PendingWatcher:

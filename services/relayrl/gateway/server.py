@@ -21,7 +21,7 @@ from relayrl.gateway.config import GatewayConfig
 from relayrl.gateway.discovery import EndpointSliceDiscovery
 from relayrl.gateway.metrics import GatewayMetrics
 from relayrl.gateway.replicas import ReplicaPool
-from relayrl.gateway.rollout import RolloutWorker, Throttle
+from relayrl.gateway.rollout import LeaseSweeper, RolloutWorker, Throttle
 from relayrl.gateway.servicer import RolloutGatewayServicer
 from relayrl.gateway.sessions import AgentSessions
 from relayrl.gateway.tools import ToolTable
@@ -104,6 +104,10 @@ class GatewayApp:
                 policy_step=self.policy_step,
             )
             self.agent_http = AgentHttpServer(self.sessions, config.agent_http)
+        served = list(config.rollout.partitions)
+        if config.agent_http.enabled:
+            served.append(config.agent_http.partition)
+        self.sweeper = LeaseSweeper(self.tq, served, config.rollout.lease_s, self._requeued)
         self.servicer = RolloutGatewayServicer(
             self.pool, self.workers, self.sessions, agent_http_port=self.agent_http_port
         )
@@ -111,6 +115,16 @@ class GatewayApp:
     def policy_step(self) -> int:
         """The trainer's step as last reported (UpdatePolicyStep), for ad-hoc agent groups."""
         return self.workers[0].throttle.policy_step if self.workers else 0
+
+    def _requeued(self, partition: str, uids: list[str]) -> None:
+        logger.warning(
+            "%d groups on %s had an expired claim (their gateway stopped renewing it); "
+            "returned to pending: %s",
+            len(uids),
+            partition,
+            ", ".join(uids[:10]) + (" ..." if len(uids) > 10 else ""),
+        )
+        self.metrics.groups_requeued.labels(partition=partition).inc(len(uids))
 
     def agent_http_port(self) -> int:
         return self.agent_http.port if self.agent_http is not None else 0
@@ -142,6 +156,7 @@ class GatewayApp:
         if self.sessions is not None and self.agent_http is not None:
             await self.sessions.start()
             await self.agent_http.start()
+        self.sweeper.start()  # after every partition it sweeps exists
 
     async def close(self) -> None:
         # Open agent sessions first (their in-flight requests end at once), then the endpoint.
@@ -149,6 +164,7 @@ class GatewayApp:
             await self.sessions.close()
         if self.agent_http is not None:
             await self.agent_http.stop()
+        await self.sweeper.close()
         for worker in self.workers:
             await worker.close()
         if self.discovery is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -151,6 +152,35 @@ def test_an_engine_killed_mid_rollout_yields_infra_trajectories_not_a_hang(
         assert trajectory.tags.is_infra
         assert "Engine" in trajectory.error or "replica" in trajectory.error
         assert not trajectory.HasField("reward")  # never a reward, let alone 0
+    tq.close()
+
+
+def test_groups_claimed_by_a_killed_gateway_are_requeued_and_finished_by_another(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    tq.put_groups(P, [group(f"d{k}", max_tokens=400) for k in range(2)])
+    # a short lease so the survivor's sweep finds the dead gateway's claims within seconds
+    config = gateway_config(redis_server, model_dir, engine.url, lease_s=2.0)
+    doomed = ServiceProcess("relayrl-gateway", config, tmp_path / "doomed").start()
+    try:
+        wait_until(lambda: tq.counts(P).groups.get("running", 0) == 2, 60, "two claimed groups")
+        doomed.kill()  # SIGKILL: its claims are never released, only left to expire
+    finally:
+        doomed.stop()
+    assert tq.counts(P).groups.get("running") == 2
+    with ServiceProcess("relayrl-gateway", config, tmp_path / "survivor") as survivor:
+        wait_until(lambda: tq.counts(P).groups.get("finished", 0) == 2, 120, "both groups")
+        assert "returned to pending: d" in survivor.log()
+        url = f"http://127.0.0.1:{survivor.metrics_port}/metrics"
+        metrics = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'relayrl_gateway_groups_requeued_total{partition="train"} 2.0' in metrics
+    for entry in tq.get_groups(P, ["d0", "d1"]):
+        assert len(entry.trajectories) == 2
+        for trajectory in entry.trajectories:
+            assert trajectory.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
+        assert entry.group.tags.num_claims == 2  # the doomed gateway's claim, then the survivor's
     tq.close()
 
 
