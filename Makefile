@@ -24,7 +24,7 @@ help: ## list the targets with one line each
 
 setup: $(SETUP_STAMP) $(PROTO_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
 
-$(SETUP_STAMP): pyproject.toml
+$(SETUP_STAMP): pyproject.toml deploy/tools/versions.env deploy/tools/install.sh
 	@command -v redis-server >/dev/null || { \
 	  echo "setup: installing Debian redis-server"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
@@ -36,6 +36,7 @@ $(SETUP_STAMP): pyproject.toml
 	$(PIP) install -q "$(call TORCH_PIN,lock)" $(QUIET_PIP)
 	$(PIP) install -q --no-deps --group lock $(QUIET_PIP)
 	$(PIP) install -q --no-deps --no-build-isolation -e . $(QUIET_PIP)
+	bash deploy/tools/install.sh
 	@touch $@
 
 $(PROTO_STAMP): $(PROTO_SOURCES) $(SETUP_STAMP)
