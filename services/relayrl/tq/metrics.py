@@ -2,7 +2,8 @@
 
 A service registers one TQCollector in its own CollectorRegistry; operators then see, per
 partition, groups and trajectories by status, the launched counter the gateway's throttle uses,
-and how stale the groups in flight are (staleness = step - prompt_step + 1).
+how stale the groups in flight are (staleness = step - prompt_step + 1), and how many events
+sit in the dead-letter stream (poison entries no consumer could process).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class TQCollector(Collector):
             "trajectories": metric_name(service, "tq", "trajectories"),
             "launched": metric_name(service, "tq_launched", "groups"),
             "stale": metric_name(service, "tq_stale", "groups"),
+            "dead": metric_name(service, "tq_dead_letter", "events"),
         }
 
     def describe(self) -> list:
@@ -78,6 +80,11 @@ class TQCollector(Collector):
             "Groups in flight or ready by staleness (step - prompt_step + 1)",
             labels=["partition", "status", "staleness"],
         )
+        dead = GaugeMetricFamily(
+            names["dead"],
+            "Events in the partition's dead-letter stream (given up on after max deliveries)",
+            labels=["partition"],
+        )
         step = self._current_step()
         for partition in self._partitions:
             counts = self._tq.counts(partition)
@@ -86,11 +93,12 @@ class TQCollector(Collector):
             for status, n in counts.trajectories.items():
                 trajectories.add_metric([partition, status.value], n)
             launched.add_metric([partition], counts.num_launched)
+            dead.add_metric([partition], self._tq.num_dead_letters(partition))
             if step is not None:
                 for status, histogram in self._tq.staleness(partition, step).items():
                     for label, n in self._bucket(histogram).items():
                         stale.add_metric([partition, status.value, label], n)
-        return [groups, trajectories, launched, stale]
+        return [groups, trajectories, launched, stale, dead]
 
     def _bucket(self, histogram: dict[int, int]) -> dict[str, int]:
         buckets: dict[str, int] = {}

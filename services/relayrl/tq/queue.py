@@ -484,6 +484,12 @@ class TransferQueue:
             out.append(codec.decode_trajectory(partition, key, fields, data))
         return out
 
+    def num_dead_letters(self, partition: str) -> int:
+        """Events given up on after too many deliveries (the dead-letter stream's length)."""
+        codec.check_partition_name(partition)
+        with unavailable_as_tq_error():
+            return int(self._redis.xlen(f"{self.key_prefix(partition)}dead"))
+
     def counts(self, partition: str) -> Counts:
         """Groups by status, trajectories by status, and the launched counter (for metrics)."""
         codec.check_partition_name(partition)

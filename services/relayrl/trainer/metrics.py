@@ -83,8 +83,21 @@ class StepMetrics:
 
 
 class TrainerMetrics:
-    def __init__(self, registry: CollectorRegistry, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        log_path: Path | None = None,
+        staleness_bound_steps: int | None = None,
+    ) -> None:
         self.step = Gauge(_name("completed", "steps"), "Steps completed.", registry=registry)
+        self.staleness_bound = Gauge(
+            _name("staleness_bound", "steps"),
+            "Configured staleness bound (algorithm.staleness_threshold: the replay gate's "
+            "threshold, by default the mode's bound, eta + parameter_sync_step when async).",
+            registry=registry,
+        )
+        if staleness_bound_steps is not None:
+            self.staleness_bound.set(staleness_bound_steps)
         self.published_version = Gauge(
             _name("published_policy", "version"),
             "Policy version last published to rollout.",

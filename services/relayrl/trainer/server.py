@@ -281,6 +281,7 @@ def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
     try:
         if rank == 0:
             from relayrl.tq import TransferQueue
+            from relayrl.tq.metrics import TQCollector
 
             registry = CollectorRegistry()
             servicer = TrainerServicer(
@@ -293,8 +294,13 @@ def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
             )
             service = _ServiceThread(config, servicer, registry)
             service.start()
-            metrics = TrainerMetrics(registry, config.metrics_log)
+            metrics = TrainerMetrics(
+                registry, config.metrics_log, config.algorithm.staleness_threshold
+            )
             tq = TransferQueue.from_config(config.tq)
+            registry.register(
+                TQCollector(tq, "trainer", [config.data.partition], lambda: status.step)
+            )
             leader = Leader(config, tq, mode_for(config.algorithm.mode))
         runtime = build_runtime(config)
         loop = TrainingLoop(
