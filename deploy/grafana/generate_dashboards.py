@@ -37,6 +37,9 @@ class Target:
     expr: str
     legend: str = ""
     instant: bool = False
+    # in a core panel: a series that only appears after something went wrong (a redelivery, an
+    # error) is not expected to have data in a short healthy run
+    only_on_trouble: bool = False
 
 
 @dataclass
@@ -1028,6 +1031,7 @@ def reward() -> Dashboard:
                                 "sum by (partition) (rate(relayrl_reward_tq_redeliveries_total"
                                 f"{{{NS}}}[{RATE}]))",
                                 "{{partition}} redelivered",
+                                only_on_trouble=True,
                             ),
                         ],
                         unit="ops",
@@ -1593,7 +1597,7 @@ def render() -> dict[Path, str]:
         for row in dashboard.rows:
             for panel in row.panels:
                 if panel.core:
-                    for target in panel.targets:
+                    for target in (t for t in panel.targets if not t.only_on_trouble):
                         core.append(
                             {"dashboard": model["uid"], "panel": panel.title, "expr": target.expr}
                         )
