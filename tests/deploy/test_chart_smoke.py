@@ -244,7 +244,7 @@ def test_a_probe_that_nothing_answers_fails(cpu_demo, local_root) -> None:
         assert results["startupProbe"].ok, results["startupProbe"].line()
         assert results["livenessProbe"].ok, results["livenessProbe"].line()
         failed = results["readinessProbe"]
-        assert not failed.ok and failed.attempts >= 2, failed.line()
-        assert failed.elapsed_s < 10, failed.line()
+        # given up within its own budget (failureThreshold 2, one try per second), not retried on
+        assert not failed.ok and 2 <= failed.attempts <= 3, failed.line()
         stopped = smoke.down()
     assert stopped and all(in_grace for *_, in_grace in stopped), stopped

@@ -14,7 +14,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKER_DIR = REPO / "deploy" / "docker"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 CONFIG_PATH = "/etc/relayrl/config.yaml"
-CHECKOV_BUDGET_S = 60.0
 
 
 def _load_pins():
@@ -581,21 +579,19 @@ def test_pins_refuses_a_requirement_missing_from_the_lock() -> None:
 # --- checkov -----------------------------------------------------------------------------------
 
 
-def run_checkov(checkov: Path, directory: Path) -> tuple[list[dict], float]:
-    start = time.monotonic()
+def run_checkov(checkov: Path, directory: Path) -> list[dict]:
     result = subprocess.run(
         [str(checkov), "--framework", "dockerfile", "--skip-download", "--output", "json",
          "--directory", str(directory)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    elapsed = time.monotonic() - start
     assert result.returncode in (0, 1), result.stderr[-2000:]
     report = json.loads(result.stdout)
-    return (report if isinstance(report, list) else [report]), elapsed
+    return report if isinstance(report, list) else [report]
 
 
 def test_checkov_passes_every_dockerfile(deploy_tools: Any) -> None:
-    reports, elapsed = run_checkov(deploy_tools.checkov, DOCKER_DIR)
+    reports = run_checkov(deploy_tools.checkov, DOCKER_DIR)
     failed = [
         f"{c['check_id']} {c['file_path']}:{c['file_line_range']} {c['check_name']}"
         for report in reports
@@ -605,7 +601,6 @@ def test_checkov_passes_every_dockerfile(deploy_tools: Any) -> None:
     summary = reports[0]["summary"]
     assert summary["resource_count"] == len(IMAGES), summary
     assert summary["passed"] > 0 and summary["parsing_errors"] == 0, summary
-    assert elapsed < CHECKOV_BUDGET_S, f"checkov took {elapsed:.1f} s"
     skipped = [c for report in reports for c in report["results"]["skipped_checks"]]
     for check in skipped:  # only inline skips, each with its reason
         assert check.get("check_result", {}).get("suppress_comment"), check["check_id"]
@@ -617,7 +612,7 @@ def test_checkov_passes_every_dockerfile(deploy_tools: Any) -> None:
 
 def test_checkov_fails_a_bad_dockerfile(deploy_tools: Any, tmp_path: Path) -> None:
     (tmp_path / "Dockerfile").write_text("FROM python:latest\nADD . /app\nRUN pip install x\n")
-    reports, _ = run_checkov(deploy_tools.checkov, tmp_path)
+    reports = run_checkov(deploy_tools.checkov, tmp_path)
     failed = {c["check_id"] for report in reports for c in report["results"]["failed_checks"]}
     assert {"CKV_DOCKER_2", "CKV_DOCKER_3", "CKV_DOCKER_7"} <= failed, failed
 

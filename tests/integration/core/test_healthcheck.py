@@ -51,11 +51,8 @@ def reward(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
 
 
 def test_a_serving_service_is_healthy(reward: ServiceProcess) -> None:
-    start = time.monotonic()
     result = healthcheck("grpc", reward.target)
-    elapsed_s = time.monotonic() - start
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert elapsed_s < 5.0  # a fresh interpreter included; well under a second unloaded
     assert healthcheck("grpc", reward.target, "--service", REWARD_SERVICE).returncode == 0
 
 
