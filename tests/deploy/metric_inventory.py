@@ -20,6 +20,7 @@ from pathlib import Path
 import promql_parser
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from relayrl.tq import TransferQueue
@@ -77,6 +78,17 @@ def _declared_labels(registry: CollectorRegistry) -> dict[str, tuple[str, ...]]:
     return labels
 
 
+def _family(component: str, metric: Metric, labels: tuple[str, ...]) -> Family:
+    return Family(
+        component=component,
+        name=metric.name,
+        type=metric.type,
+        documentation=metric.documentation,
+        labels=labels,
+        samples=_sample_names(metric.name, metric.type) | {s.name for s in metric.samples},
+    )
+
+
 def families_from_registry(component: str, registry: CollectorRegistry) -> list[Family]:
     declared = _declared_labels(registry)
     out = []
@@ -86,17 +98,7 @@ def families_from_registry(component: str, registry: CollectorRegistry) -> list[
         }
         # custom collectors' families (the TransferQueue's) keep their label names
         own = declared.get(metric.name) or getattr(metric, "_labelnames", ())
-        labels = tuple(own) or tuple(sorted(sample_labels))
-        out.append(
-            Family(
-                component=component,
-                name=metric.name,
-                type=metric.type,
-                documentation=metric.documentation,
-                labels=labels,
-                samples=_sample_names(metric.name, metric.type) | {s.name for s in metric.samples},
-            )
-        )
+        out.append(_family(component, metric, tuple(own) or tuple(sorted(sample_labels))))
     return out
 
 
@@ -159,16 +161,7 @@ def families_from_text(component: str, text: str) -> list[Family]:
         labels = {
             label for s in metric.samples for label in s.labels if label not in _ENCODING_LABELS
         }
-        out.append(
-            Family(
-                component=component,
-                name=metric.name,
-                type=metric.type,
-                documentation=metric.documentation,
-                labels=tuple(sorted(labels)),
-                samples=_sample_names(metric.name, metric.type) | {s.name for s in metric.samples},
-            )
-        )
+        out.append(_family(component, metric, tuple(sorted(labels))))
     return out
 
 

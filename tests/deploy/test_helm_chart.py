@@ -7,10 +7,10 @@ rules (probes, security, resources, accelerators, Service ports, NetworkPolicies
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +23,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "relayrl"
+K8S_RENDER = REPO / "deploy" / "k8s" / "render.py"
 
 # Kubernetes versions the chart claims (Chart.yaml kubeVersion; deploy/docs/deploying.md).
 K8S_VERSIONS = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0")
@@ -48,47 +49,16 @@ EXPECTED_ACCELERATORS = {
 # -- fixtures ----------------------------------------------------------------------------------
 
 
-def copy_chart(dest: Path) -> Path:
-    """The chart with its symlinked dashboards and rules copied in; where deploy/grafana or
-    deploy/prometheus has none yet, a placeholder goes into this temporary copy only, so the
-    templates that read them are still exercised."""
-    chart = dest / "relayrl"
-    shutil.copytree(CHART, chart, symlinks=True)
-    for link in (chart / "files").iterdir():
-        if link.is_symlink():
-            source = (CHART / "files" / link.name).resolve()
-            link.unlink()
-            shutil.copytree(source, link) if source.is_dir() else link.mkdir()
-    dashboards = chart / "files" / "grafana" / "dashboards"
-    if not list(dashboards.glob("*.json")):
-        dashboards.mkdir(parents=True, exist_ok=True)
-        (dashboards / "relayrl-placeholder.json").write_text(
-            json.dumps({"title": "placeholder", "uid": "placeholder", "panels": []})
-        )
-    rules = chart / "files" / "prometheus" / "rules"
-    if not list(rules.glob("*.yaml")):
-        rules.mkdir(parents=True, exist_ok=True)
-        (rules / "placeholder.yaml").write_text(
-            yaml.safe_dump(
-                {
-                    "groups": [
-                        {
-                            "name": "placeholder",
-                            "rules": [
-                                {
-                                    "alert": "Placeholder",
-                                    "expr": "vector(0) > 1",
-                                    "annotations": {
-                                        "runbook_url": f"{UPSTREAM_RUNBOOK}/operations.md#x"
-                                    },
-                                }
-                            ],
-                        }
-                    ]
-                }
-            )
-        )
-    return chart
+def _load_render() -> Any:
+    spec = importlib.util.spec_from_file_location("relayrl_k8s_render_for_chart", K8S_RENDER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The chart with its symlinked dashboards and rules copied in: render.py's own copy.
+copy_chart = _load_render().copy_chart
 
 
 @pytest.fixture(scope="session")
