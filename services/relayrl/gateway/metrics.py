@@ -10,6 +10,12 @@ from relayrl.core.metrics import metric_name
 
 SERVICE = "gateway"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+# Whole rollouts of agents run from seconds to many minutes (001 §13.2); `relayrl sim` reads
+# this histogram to plan capacity, so its buckets resolve the tail as well as the median.
+ROLLOUT_BUCKETS_S = (
+    0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240, 300, 450, 600,
+    900, 1200, 1800, 3600,
+)  # fmt: skip
 
 
 def _name(quantity: str, unit: str) -> str:
@@ -54,6 +60,14 @@ class GatewayMetrics:
             "Trajectories written, by outcome (failed = infrastructure, is_infra).",
             ["partition", "outcome"],
             registry=registry,
+        )
+        self.rollout_duration = Histogram(
+            _name("rollout_duration", "seconds"),
+            "Duration of one whole rollout (a trajectory: every turn, tool call and wait), "
+            "by outcome; `relayrl sim --durations-from-prometheus` plans capacity from it.",
+            ["partition", "outcome"],
+            registry=registry,
+            buckets=ROLLOUT_BUCKETS_S,
         )
         self.groups_launched = Gauge(
             _name("groups_launched", "groups"),

@@ -360,7 +360,11 @@ class RolloutWorker:
         )
         outcome = "failed" if failed else "finished"
         self.counts[outcome] += 1
-        self._pool.metrics.rollouts.labels(partition=self.partition, outcome=outcome).inc()
+        metrics = self._pool.metrics
+        metrics.rollouts.labels(partition=self.partition, outcome=outcome).inc()
+        metrics.rollout_duration.labels(partition=self.partition, outcome=outcome).observe(
+            time.time() - started
+        )
 
     async def _rollout(
         self, group: common_pb2.PromptGroup, index: int, session_id: str, started: float

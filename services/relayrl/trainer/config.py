@@ -271,6 +271,14 @@ class TrainerConfig(ServiceConfig):
         "version, so its throttle lets rollout run ahead by eta.",
     )
     total_steps: int = Field(100, ge=0, description="Steps (published versions) to train.")
+    emulated_update_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="BENCHMARK ONLY (`make bench-pipeline`): replace the policy update "
+        "(forward, backward, optimizer) by a sleep of this many seconds; the weights stay as "
+        "built and are still published every step. null: the real update.",
+    )
     metrics_log: Path | None = Field(
         None, description="JSONL file that receives every step's metrics."
     )

@@ -39,7 +39,7 @@ from relayrl.trainer.modes import TrainerMode, mode_for
 from relayrl.trainer.publish import WeightPublisher, build_publisher
 from relayrl.trainer.replay import ReplaySampler, SamplingStopped, Verdict
 from relayrl.trainer.rollout_link import GatewayLink
-from relayrl.trainer.step import DataParallel, PolicyUpdater, StepResult
+from relayrl.trainer.step import DataParallel, EmulatedUpdater, PolicyUpdater, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,9 @@ class Leader:
         if sample.num_evicted:
             metrics.groups["evicted"] = sample.num_evicted
         metrics.staleness = [step - g.prompt_step + 1 for g in groups]
+        # The simulator's staleness (001 §13.3): versions between the one that launched a
+        # group's oldest token and the one this step trains; 0 is on-policy.
+        metrics.policy_lag = [step - min(r.min_policy_version for r in g.rows) for g in groups]
         metrics.launched_lengths = [r.response_len for g in groups for r in g.rows]
         return groups, metrics, sample.waited_s
 
@@ -250,13 +253,17 @@ class TrainingLoop:
         self.publisher = publisher or build_publisher(config.publish, config.model.hf_dir)
         self.control = control or Control()
         self.status = status or Status()
-        self.updater = PolicyUpdater(
-            config.algorithm,
-            model,
-            optimizer,
-            scheduler,
-            ref_model=ref_model,
-            data_parallel=data_parallel or DataParallel(),
+        self.updater: PolicyUpdater | EmulatedUpdater = (
+            EmulatedUpdater(config.emulated_update_s)
+            if config.emulated_update_s is not None
+            else PolicyUpdater(
+                config.algorithm,
+                model,
+                optimizer,
+                scheduler,
+                ref_model=ref_model,
+                data_parallel=data_parallel or DataParallel(),
+            )
         )
         self.step = 0
 
@@ -399,6 +406,9 @@ class TrainingLoop:
         values["reward_std"] = float(np.std(rewards)) if rewards else 0.0
         values["staleness_mean"] = float(np.mean(metrics.staleness)) if metrics.staleness else 0.0
         values["staleness_max"] = float(max(metrics.staleness, default=0))
+        if metrics.policy_lag:
+            values["policy_lag_mean"] = float(np.mean(metrics.policy_lag))
+            values["policy_lag_max"] = float(max(metrics.policy_lag))
         values["step_duration_s"] = duration
         values["wait_duration_s"] = result.phases_s.get("wait", 0.0)
         train_s = duration - values["wait_duration_s"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter as Tally
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -64,6 +65,7 @@ class StepMetrics:
     step: int
     values: dict[str, float] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)  # one entry per trained group
+    policy_lag: list[int] = field(default_factory=list)  # step - launching version, per group
     trained_lengths: list[int] = field(default_factory=list)  # response tokens per row
     launched_lengths: list[int] = field(default_factory=list)  # every consumed trajectory
     groups: dict[str, int] = field(default_factory=dict)  # kept / stale / no_signal / ...
@@ -77,6 +79,7 @@ class StepMetrics:
             "step": self.step,
             **{k: v for k, v in self.values.items() if math.isfinite(v)},
             "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
+            "policy_lag_histogram": {str(k): v for k, v in sorted(Tally(self.policy_lag).items())},
             "groups": self.groups,
             "uids": self.uids,
         }

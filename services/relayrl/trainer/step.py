@@ -65,6 +65,30 @@ class StepResult:
     phases_s: dict[str, float] = field(default_factory=dict)
 
 
+class EmulatedUpdater:
+    """BENCHMARK ONLY: stands in for `PolicyUpdater` with a fixed sleep, so that a pipeline
+    benchmark measures rollout, reward, queue and weight sync around a training step of a
+    known duration (`emulated_update_s`). Nothing is learned; every step reports
+    `emulated_update = 1` so that no record can pass for a trained one."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        logger.warning(
+            "emulated_update_s = %.3f: the policy update is a sleep (benchmark only); "
+            "this trainer learns nothing",
+            seconds,
+        )
+
+    def run(self, groups: list[ScoredGroup]) -> StepResult:
+        start = time.perf_counter()
+        time.sleep(self._seconds)
+        rows = [r for g in groups for r in g.rows if r.valid]
+        return StepResult(
+            values={"emulated_update": 1.0, "trained_rows": float(len(rows))},
+            phases_s={"update": time.perf_counter() - start},
+        )
+
+
 def assign_advantages(groups: list[ScoredGroup], algorithm: AlgorithmSettings) -> None:
     inputs = [GroupRewards(g.uid, g.rewards, [not v for v in g.valid]) for g in groups]
     for group, result in zip(groups, group_advantages(inputs, algorithm.advantage), strict=True):

@@ -126,7 +126,36 @@ def test_trains_reports_status_and_stops_on_request(redis_server, tq, model_dir,
     for key in ("kl", "k3_kl", "chi2_token", "abs_log_ratio_p99", "is_ess", "grad_norm", "lr"):
         assert key in first, sorted(first)
     assert first["staleness_histogram"] == {"1": 2}  # sync: issued and trained at one step
+    # The rollout emulator samples every trajectory with version 0: at step s the lag is s.
+    assert [r["policy_lag_max"] for r in records] == [r["step"] for r in records]
     assert all(r["groups"]["keep"] == 2 for r in records)
+    assert all("emulated_update" not in r for r in records)
+
+
+def test_emulated_update_sleeps_publishes_and_says_so(
+    redis_server, tq, model_dir, tmp_path
+) -> None:
+    """The benchmark-only update trains nothing, says so in every record and log, and still
+    runs the rest of the step: sampling, publishing a version per step, checkpoints."""
+    config = trainer_config(
+        redis_server, model_dir, tmp_path, total_steps=3, emulated_update_s=0.2
+    )
+    config["publish"] = {"type": "hf_dir", "dir": str(tmp_path / "published"), "keep": 5}
+    emulator = RolloutEmulator(tq).start()
+    trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t").start(timeout_s=120)
+    try:
+        assert wait_exit(trainer, 180) == 0, trainer.log()
+    finally:
+        emulator.stop()
+        trainer.stop()
+    records = steps_logged(tmp_path / "steps.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records:
+        assert record["emulated_update"] == 1.0
+        assert record["trained_rows"] == 8.0  # 2 groups x 4 samples
+        assert "grad_norm" not in record and "kl" not in record  # no model step ran
+    assert sorted(p.name for p in (tmp_path / "published").iterdir()) == ["v1", "v2", "v3"]
+    assert "the policy update is a sleep (benchmark only)" in trainer.log()
 
 
 def test_sigkill_then_resume_trains_every_group_exactly_once(

@@ -46,6 +46,7 @@ def test_the_example_trainer_config_loads() -> None:
         ("optim: {lr: 0.001, min_lr: 0.01}", "min_lr"),
         ("publish: {type: s3}", "publish"),
         ("data: {run_id: 'has_underscore'}", "data.run_id"),
+        ("emulated_update_s: 0", "emulated_update_s: Input should be greater than 0"),
     ],
 )
 def test_bad_configs_fail_with_one_line(tmp_path: Path, text: str, match: str) -> None:
