@@ -249,4 +249,11 @@ def test_control_plane_pauses_resumes_at_a_new_version_and_refuses_bad_requests(
         assert 'relayrl_gateway_rollouts_total{outcome="finished",partition="train"} 2.0' in metrics
         assert 'relayrl_gateway_prefix_cache_resets_total{replica="engine-0"} 1.0' in metrics
         assert "relayrl_gateway_pause_duration_seconds_count 1.0" in metrics
+        # Whole-rollout durations: both rollouts counted; the one held by the pause ran > 1 s.
+        labels = 'outcome="finished",partition="train"'
+        assert f"relayrl_gateway_rollout_duration_seconds_count{{{labels}}} 2.0" in metrics
+        under_1s = re.search(
+            rf'relayrl_gateway_rollout_duration_seconds_bucket{{le="1.0",{labels}}} (\S+)', metrics
+        )
+        assert under_1s is not None and float(under_1s.group(1)) <= 1.0
     tq.close()
