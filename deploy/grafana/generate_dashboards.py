@@ -607,6 +607,24 @@ def rollout() -> Dashboard:
                         min=0,
                     ),
                     Panel(
+                        "Rollout duration p50 / p99 (whole trajectory)",
+                        "One rollout from claim to written trajectory: every turn, tool call "
+                        "and pause. The straggler tail a synchronous step waits for; "
+                        "`relayrl sim --durations-from-prometheus` plans capacity from it.",
+                        [
+                            Target(
+                                quantile(0.5, "relayrl_gateway_rollout_duration_seconds", NS),
+                                "p50",
+                            ),
+                            Target(
+                                quantile(0.99, "relayrl_gateway_rollout_duration_seconds", NS),
+                                "p99",
+                            ),
+                        ],
+                        unit="s",
+                        min=0,
+                    ),
+                    Panel(
                         "Generated tokens / s by replica",
                         "Tokens returned to the gateway by each replica.",
                         [
