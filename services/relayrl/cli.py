@@ -6,6 +6,7 @@
     relayrl tq events PARTITION   the last transitions of a partition
     relayrl model init DIR        write a tiny Qwen2 model and its tokenizer, built from a seed
     relayrl engine [MODEL]        start a vLLM engine replica with relayrl's worker extension
+    relayrl sim                   simulate a rollout pipeline design (throughput, staleness)
 
 User mistakes (bad arguments, unreachable Redis) end with one line on stderr and exit code 2.
 """
@@ -273,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("rest", nargs=argparse.REMAINDER)
     engine.set_defaults(func=cmd_engine)
+    from relayrl.sim.cli import add_parser as add_sim_parser  # argparse only: --help stays instant
+
+    add_sim_parser(sub)
     return parser
 
 
