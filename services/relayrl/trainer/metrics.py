@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,7 @@ class TrainerMetrics:
         for phase, seconds in phases_s.items():
             self.phase_duration.labels(phase).set(seconds)
         if self._log is not None:
-            record = metrics.record() | {"phases_s": phases_s}
+            record = metrics.record() | {"phases_s": phases_s, "time": time.time()}
             self._log.write(json.dumps(record, sort_keys=True) + "\n")
             self._log.flush()
 

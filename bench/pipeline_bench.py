@@ -1,0 +1,379 @@
+"""The real pipeline against the ideal one: relayrl's services run the seed's rollout pipeline
+(001 §13.3) in `sync`, partial eta=1 and partial eta=2, and `relayrl sim` simulates the same
+pipeline on the same episode durations and parameters, side by side in one run.
+
+What runs, per design, all real processes on loopback:
+    redis-server (the TransferQueue), relayrl-reward (rule-based scoring), relayrl-gateway
+    (throttle launched < (v + 1 + eta) * B, one single-turn rollout per group),
+    relayrl-weightsync (pause mode keep: in-flight rollouts freeze during a switch and continue
+    on the new version — partial rollout), relayrl-trainer (sync, or separate_async with eta);
+    and, in place of vLLM, the engine emulator (`python -m relayrl.engine.emulator`), whose
+    i-th generate request takes episode i of the simulator's duration model times the time
+    scale, and whose weight load really pulls the version from weight-sync, then takes the
+    scaled sync time.
+Labelled stand-ins: the engine is the emulator (a load generator, not a model) and the
+trainer's policy update is a sleep of the scaled train time (`emulated_update_s`, benchmark
+only: every step record says `emulated_update: 1`). Everything between them — claims, leases,
+trajectories in Redis, reward scoring, the staleness gate, the version switch across gateway
+and engine, publishing the (tiny) model's real weights — is the production code.
+
+One prompt group is one rollout (samples_per_prompt 1), so the simulator's rollout is the
+trainer's group; `n_slots` is the gateway's max_inflight_groups. The trainer waits for each
+version's commit before its next step (`wait_for_commit`), so the simulation runs with
+`train_during_sync=False` (the seed's own figures let training overlap the sync).
+
+Throughput is trained rollouts per hour of pipeline time, both sides measured in simulated
+seconds (real wall seconds / time scale), from the first rollout's launch (its arrival at the
+engine) to the end of the last step's update, as the simulation's clock runs (the sync after
+the last step serves a step that never runs). Staleness is the simulator's: the trainer's step
+minus the version that launched a rollout (the trainer's `policy_lag`).
+
+The last line is exactly:
+    pipeline-bench: async1/sync=<measured ratio> fidelity=<min over designs of measured/simulated>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relayrl.core.service_process import ServiceProcess, console_script
+from relayrl.models.tiny import TinyModelConfig, init_model
+from relayrl.sim.durations import EpisodeModel
+from relayrl.sim.pipeline import PipelineConfig, SimResult, simulate
+from relayrl.tq.server import RedisServer, free_port
+
+PARTITION = "train"
+NAMESPACE = "pipebench"
+
+
+@dataclass(frozen=True)
+class Design:
+    name: str
+    mode: str  # trainer mode
+    eta: int
+
+
+DESIGNS = {
+    "sync": Design("sync", "sync", 0),
+    "partial1": Design("partial eta=1", "separate_async", 1),
+    "partial2": Design("partial eta=2", "separate_async", 2),
+}
+
+
+@dataclass
+class Measured:
+    design: Design
+    steps: int
+    trained: int
+    pipeline_s: float  # simulated seconds
+    lag_mean: float
+    lag_max: int
+    served: int  # generate requests the emulator finished
+
+    @property
+    def per_hour(self) -> float:
+        return self.trained / self.pipeline_s * 3600
+
+
+def _raise_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` stops the child processes."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    lines = [
+        json.dumps({"prompt": f"{i} + 2 =", "ground_truth": str(i + 2), "data_source": "arith"})
+        for i in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# --- the real pipeline -----------------------------------------------------------------------
+
+
+class EmulatorProcess:
+    """`python -m relayrl.engine.emulator` as a child process, stopped by PID."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, vocab_size: int) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.ready = workdir / "ready.json"
+        self.log = workdir / "requests.jsonl"
+        self.argv = [
+            sys.executable, "-m", "relayrl.engine.emulator",
+            "--port", "0", "--ready-file", str(self.ready), "--log", str(self.log),
+            "--time-scale", str(args.scale), "--seed", str(args.seed),
+            "--sync-time-s", str(args.sync_time_s), "--vocab-size", str(vocab_size),
+            "--initial-version", "0",
+        ]  # fmt: skip
+        self.output = workdir / "emulator.log"
+        self.process: Any = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 60.0) -> EmulatorProcess:
+        import subprocess
+
+        with self.output.open("wb") as out:
+            self.process = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"engine emulator did not start:\n{self.output.read_text()}")
+            time.sleep(0.05)
+        self.url = json.loads(self.ready.read_text())["url"]
+        return self
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except Exception:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def service_configs(
+    args: argparse.Namespace, design: Design, redis_url: str, model_dir: Path, engine: str,
+    root: Path,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    ports = {name: (free_port(), free_port()) for name in ("reward", "gateway", "weightsync")}
+    ports["trainer"] = (free_port(), free_port())
+
+    def base(name: str) -> dict[str, Any]:
+        grpc_port, metrics_port = ports[name]
+        return {
+            "grpc": {"host": "127.0.0.1", "port": grpc_port},
+            "metrics": {"host": "127.0.0.1", "port": metrics_port},
+            "logging": {"json": True, "level": "WARNING"},
+        }
+
+    tq = {"url": redis_url, "namespace": NAMESPACE, "partitions": [PARTITION]}
+    gateway_target = f"127.0.0.1:{ports['gateway'][0]}"
+    return {
+        "reward": {
+            **base("reward"),
+            "tq": tq,
+            "tq_scorer": {"enabled": True, "partitions": [PARTITION], "reclaim_idle_s": 10},
+        },
+        "gateway": {
+            **base("gateway"),
+            "tq": tq,
+            "tokenizer": str(model_dir),
+            "engines": {"urls": [engine], "health_interval_s": 1.0},
+            "rollout": {
+                "partitions": [PARTITION],
+                "eta": float(design.eta),
+                "batch_size": args.batch_size,
+                "max_inflight_groups": args.slots,
+                "max_response_tokens": args.max_tokens,
+                "claimer": "gateway-0",
+            },
+            "agent_http": {"enabled": False},
+        },
+        "weightsync": {
+            **base("weightsync"),
+            "engines": {"urls": [engine], "load_timeout_s": 120},
+            "pause_mode": "keep",
+            "metrics_log": str(root / "transfers.jsonl"),
+            "gateway": {"target": gateway_target, "default_timeout_s": 30},
+        },
+        "trainer": {
+            **base("trainer"),
+            "tq": tq,
+            "model": {"hf_dir": str(model_dir), "max_seq_len": 256},
+            "algorithm": {
+                "mode": design.mode,
+                "eta": design.eta,
+                "train_batch_groups": args.batch_size,
+                "dapo_filter": False,
+                # The simulator does not drop stale rollouts (the seed's figures do not).
+                "staleness": {"policy": "drop", "threshold": 64},
+            },
+            "data": {
+                "prompts_file": str(write_prompts(root / "prompts.jsonl", 4 * args.batch_size)),
+                "partition": PARTITION,
+                "samples_per_prompt": 1,
+                "max_tokens": args.max_tokens,
+                "poll_interval_s": 0.005,
+                "wait_timeout_s": 600,
+            },
+            "publish": {
+                "type": "weightsync",
+                "target": f"127.0.0.1:{ports['weightsync'][0]}",
+                "wait_for_commit": True,
+            },
+            "gateway": {"target": gateway_target, "default_timeout_s": 30},
+            "emulated_update_s": args.train_time_s * args.scale,
+            "total_steps": args.steps,
+            "metrics_log": str(root / "steps.jsonl"),
+        },
+    }
+
+
+def run_real(
+    args: argparse.Namespace, design: Design, model_dir: Path, vocab_size: int, root: Path
+) -> Measured:
+    root.mkdir(parents=True)
+    children: list[Any] = []
+    redis = RedisServer(root / "redis", port=free_port())
+    try:
+        redis.start()
+        children.append(redis)
+        emulator = EmulatorProcess(args, root / "engine", vocab_size).start()
+        children.append(emulator)
+        configs = service_configs(args, design, redis.url, model_dir, emulator.url, root)
+        services = {}
+        for name in ("reward", "gateway", "weightsync", "trainer"):
+            services[name] = ServiceProcess(f"relayrl-{name}", configs[name], root / name)
+            services[name].start(timeout_s=180)
+            children.append(services[name])
+        trainer = services["trainer"]
+        code = trainer.process.wait(timeout=args.timeout_s)
+        if code != 0:
+            raise RuntimeError(f"the trainer exited {code}:\n{trainer.log()[-3000:]}")
+    finally:
+        for child in reversed(children):
+            child.stop()
+    records = read_jsonl(root / "steps.jsonl")
+    if len(records) != args.steps or not all(r.get("emulated_update") == 1.0 for r in records):
+        raise RuntimeError(f"{design.name}: expected {args.steps} emulated steps in steps.jsonl")
+    lags = [(int(lag), n) for r in records for lag, n in r.get("policy_lag_histogram", {}).items()]
+    trained = sum(n for _, n in lags)
+    served = read_jsonl(emulator.log)
+    # The simulation's clock: from the first launch to the end of the last step's update (the
+    # sync after it serves a step that never runs).
+    started = min(r["arrival_time"] for r in served)
+    ended = records[-1]["time"] - records[-1]["phases_s"]["publish"]
+    return Measured(
+        design=design,
+        steps=len(records),
+        trained=trained,
+        pipeline_s=(ended - started) / args.scale,
+        lag_mean=sum(lag * n for lag, n in lags) / max(trained, 1),
+        lag_max=max((lag for lag, _ in lags), default=0),
+        served=len(served),
+    )
+
+
+# --- the simulated pipeline ------------------------------------------------------------------
+
+
+def run_sim(args: argparse.Namespace, design: Design) -> SimResult:
+    config = PipelineConfig(
+        n_slots=args.slots,
+        batch_size=args.batch_size,
+        train_time_s=args.train_time_s,
+        sync_time_s=args.sync_time_s,
+        steps=args.steps,
+        eta=design.eta,
+        train_during_sync=False,
+    )
+    needed = (args.steps + design.eta + 1) * args.batch_size
+    return simulate(config, EpisodeModel().durations(args.seed, needed))
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--designs",
+        default="sync,partial1,partial2",
+        help=f"comma-separated, of {', '.join(DESIGNS)}",
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=0.01,
+        help="wall seconds per simulated second (default 1/100)",
+    )
+    parser.add_argument("--slots", type=int, default=64, help="generation slots (in flight)")
+    parser.add_argument("--batch-size", type=int, default=64, help="rollouts per step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--train-time-s", type=float, default=60.0, help="simulated seconds")
+    parser.add_argument("--sync-time-s", type=float, default=10.0, help="simulated seconds")
+    parser.add_argument("--max-tokens", type=int, default=32, help="response tokens per rollout")
+    parser.add_argument("--seed", type=int, default=0, help="episode durations")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per design, wall")
+    parser.add_argument("--keep", type=Path, help="keep every log and record under this folder")
+    args = parser.parse_args(argv)  # fmt: skip
+    unknown = [d for d in args.designs.split(",") if d not in DESIGNS]
+    if unknown or "sync" not in args.designs.split(",") or "partial1" not in args.designs:
+        parser.error(f"--designs needs sync and partial1, of {', '.join(DESIGNS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _raise_on_sigterm()
+    console_script("relayrl-trainer")  # fail early when the services are not installed
+    root = args.keep or Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir = root / "tiny"
+    if not (model_dir / "config.json").exists():
+        init_model(model_dir, TinyModelConfig(), overwrite=True)
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    print(
+        f"pipeline-bench: {args.slots} slots, {args.batch_size} rollouts/step, train "
+        f"{args.train_time_s:g} s, sync {args.sync_time_s:g} s, {args.steps} steps, time scale "
+        f"{args.scale:g} (simulated seconds below), durations seed {args.seed}"
+    )
+    rows: list[tuple[Measured, SimResult]] = []
+    for key in args.designs.split(","):
+        design = DESIGNS[key]
+        sim = run_sim(args, design)
+        started = time.monotonic()
+        real = run_real(args, design, model_dir, vocab_size, root / key)
+        print(
+            f"  {design.name:<14} real run {time.monotonic() - started:5.1f} s wall, "
+            f"{real.served} episodes served"
+        )
+        rows.append((real, sim))
+    print()
+    header = (
+        f"{'design':<14} {'measured/h':>10} {'simulated/h':>11} {'ratio':>6} "
+        f"{'lag mean m/s':>13} {'lag max m/s':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for real, sim in rows:
+        print(
+            f"{real.design.name:<14} {real.per_hour:10.0f} {sim.rollouts_per_hour:11.0f} "
+            f"{real.per_hour / sim.rollouts_per_hour:6.3f} "
+            f"{real.lag_mean:6.2f}/{sim.staleness_mean:<6.2f} "
+            f"{real.lag_max:5d}/{sim.staleness_max:<6d}"
+        )
+    by_key = {real.design.name: real for real, _ in rows}
+    speedup = by_key[DESIGNS["partial1"].name].per_hour / by_key[DESIGNS["sync"].name].per_hour
+    fidelity = float(np.min([real.per_hour / sim.rollouts_per_hour for real, sim in rows]))
+    print(f"pipeline-bench: async1/sync={speedup:.2f} fidelity={fidelity:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
