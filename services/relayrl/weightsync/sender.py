@@ -24,6 +24,11 @@ from relayrl.weightsync.receiver import layouts_from_plan
 
 Quantization = Literal["none", "fp8_per_tensor", "fp8_block_128"]
 
+COMMIT_WAIT_S = 30.0
+"""Longest one GetBucketPlan call waits for the commit (the service holds it)."""
+COMMIT_POLL_S = 0.05
+"""Poll interval against a service that answers at once (one without wait_for_final_s)."""
+
 _DTYPES = {
     torch.float32: common_pb2.DTYPE_FLOAT32,
     torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
@@ -197,8 +202,14 @@ class WeightSyncSender:
 
         deadline = time.monotonic() + (timeout_s or self._timeout_s)
         while True:
+            # The service holds the call until the outcome (no polling interval added to
+            # every step); a call at most COMMIT_WAIT_S long keeps each one well inside its
+            # deadline.
+            wait_s = max(0.0, min(COMMIT_WAIT_S, deadline - time.monotonic()))
+            called = time.monotonic()
             plan = self._stub.GetBucketPlan(
-                pb.GetBucketPlanRequest(transfer_id=transfer_id), timeout=self._timeout_s
+                pb.GetBucketPlanRequest(transfer_id=transfer_id, wait_for_final_s=wait_s),
+                timeout=wait_s + self._timeout_s,
             )
             if plan.state == pb.TRANSFER_STATE_COMMITTED:
                 return
@@ -206,7 +217,8 @@ class WeightSyncSender:
                 raise PublishError(f"{transfer_id} failed at {plan.error}")
             if time.monotonic() > deadline:
                 raise PublishError(f"{transfer_id} was not committed in time")
-            time.sleep(0.05)
+            if time.monotonic() - called < min(wait_s, COMMIT_POLL_S):
+                time.sleep(COMMIT_POLL_S)  # a service older than wait_for_final_s: poll
 
     def close(self) -> None:
         self._channel.close()

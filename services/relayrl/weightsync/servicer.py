@@ -4,6 +4,8 @@ unknown transfer, DATA_LOSS for a corrupted bucket)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,6 +14,11 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.coordinator import Coordinator, PlanMismatch, SyncError
+
+MAX_FINAL_WAIT_S = 600.0
+"""Longest a GetBucketPlan may hold for the transfer's outcome."""
+FINAL_WAIT_MARGIN_S = 0.5
+"""A waiting GetBucketPlan answers this long before the caller's deadline."""
 
 
 def _version(coordinator: Coordinator) -> common_pb2.WeightVersion:
@@ -75,10 +82,22 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
     async def GetBucketPlan(
         self, request: pb.GetBucketPlanRequest, context: grpc.aio.ServicerContext
     ) -> pb.BucketPlan:
+        wait_s = request.wait_for_final_s
+        if not 0.0 <= wait_s <= MAX_FINAL_WAIT_S:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"wait_for_final_s must be in [0, {MAX_FINAL_WAIT_S:g}], got {wait_s:g}",
+            )
         try:
             transfer = self._c.transfer(request.transfer_id)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer before the caller gives up
+            wait_s = min(wait_s, remaining - FINAL_WAIT_MARGIN_S)
+        if wait_s > 0 and not transfer.done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(transfer.done.wait(), wait_s)
         return self._c.plan_proto(transfer)
 
     async def PushBuckets(
