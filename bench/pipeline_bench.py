@@ -264,6 +264,9 @@ def run_real(
     lags = [(int(lag), n) for r in records for lag, n in r.get("policy_lag_histogram", {}).items()]
     trained = sum(n for _, n in lags)
     served = read_jsonl(emulator.log)
+    expected = EpisodeModel().durations(args.seed, len(served))
+    if any(abs(r["duration_s"] - expected[r["index"]]) > 1e-6 for r in served):
+        raise RuntimeError(f"{design.name}: the emulator served durations the model did not draw")
     # The simulation's clock: from the first launch to the end of the last step's update (the
     # sync after it serves a step that never runs).
     started = min(r["arrival_time"] for r in served)
