@@ -61,12 +61,19 @@ class Design:
     name: str
     mode: str  # trainer mode
     eta: int
+    pause_mode: str = "keep"  # weight-sync's: keep = partial rollout, wait = drain
+
+    @property
+    def drain(self) -> bool:
+        return self.pause_mode == "wait"
 
 
 DESIGNS = {
     "sync": Design("sync", "sync", 0),
     "partial1": Design("partial eta=1", "separate_async", 1),
     "partial2": Design("partial eta=2", "separate_async", 2),
+    # Not run by default: one-step-off with drain (the switch waits for in-flight rollouts).
+    "drain1": Design("drain eta=1", "separate_async", 1, "wait"),
 }
 
 
@@ -79,6 +86,7 @@ class Measured:
     lag_mean: float
     lag_max: int
     served: int  # generate requests the emulator finished
+    busy: float  # slot utilisation: running or paused rollout time / (slots x pipeline time)
 
     @property
     def per_hour(self) -> float:
@@ -197,7 +205,7 @@ def service_configs(
         "weightsync": {
             **base("weightsync"),
             "engines": {"urls": [engine], "load_timeout_s": 120},
-            "pause_mode": "keep",
+            "pause_mode": design.pause_mode,
             "metrics_log": str(root / "transfers.jsonl"),
             "gateway": {"target": gateway_target, "default_timeout_s": 30},
         },
@@ -271,6 +279,11 @@ def run_real(
     # sync after it serves a step that never runs).
     started = min(r["arrival_time"] for r in served)
     ended = records[-1]["time"] - records[-1]["phases_s"]["publish"]
+    busy_s = sum(
+        max(0.0, min(r["finish_time"], ended) - r["arrival_time"])
+        for r in served
+        if r["arrival_time"] < ended
+    )
     return Measured(
         design=design,
         steps=len(records),
@@ -279,6 +292,7 @@ def run_real(
         lag_mean=sum(lag * n for lag, n in lags) / max(trained, 1),
         lag_max=max((lag for lag, _ in lags), default=0),
         served=len(served),
+        busy=busy_s / (args.slots * (ended - started)),
     )
 
 
@@ -293,6 +307,7 @@ def run_sim(args: argparse.Namespace, design: Design) -> SimResult:
         sync_time_s=args.sync_time_s,
         steps=args.steps,
         eta=design.eta,
+        drain=design.drain,
         train_during_sync=False,
     )
     needed = (args.steps + design.eta + 1) * args.batch_size
@@ -359,18 +374,23 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((real, sim))
     print()
     header = (
-        f"{'design':<14} {'measured/h':>10} {'simulated/h':>11} {'ratio':>6} "
-        f"{'lag mean m/s':>13} {'lag max m/s':>12}"
+        f"{'design':<14} {'measured/h':>10} {'simulated/h':>11} {'ratio':>6}  "
+        f"{'busy m/s':<11} {'staleness mean m/s':<19} {'max m/s':<7}"
     )
     print(header)
     print("-" * len(header))
     for real, sim in rows:
         print(
             f"{real.design.name:<14} {real.per_hour:10.0f} {sim.rollouts_per_hour:11.0f} "
-            f"{real.per_hour / sim.rollouts_per_hour:6.3f} "
-            f"{real.lag_mean:6.2f}/{sim.staleness_mean:<6.2f} "
-            f"{real.lag_max:5d}/{sim.staleness_max:<6d}"
+            f"{real.per_hour / sim.rollouts_per_hour:6.3f}  "
+            f"{real.busy:4.0%}/{sim.utilisation:<6.0%} "
+            f"{real.lag_mean:8.2f}/{sim.staleness_mean:<10.2f} "
+            f"{real.lag_max:3d}/{sim.staleness_max:<3d}"
         )
+    print(
+        "m/s: measured / simulated; staleness: trainer step minus the version that launched "
+        "the rollout"
+    )
     by_key = {real.design.name: real for real, _ in rows}
     speedup = by_key[DESIGNS["partial1"].name].per_hour / by_key[DESIGNS["sync"].name].per_hour
     fidelity = float(np.min([real.per_hour / sim.rollouts_per_hour for real, sim in rows]))

@@ -876,6 +876,10 @@ async def serve(config: EmulatorConfig) -> None:
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
+    # A real engine holds torch before its first version arrives: imported now, the receive
+    # path's import (about a second) is not counted against the first sync.
+    import relayrl.weightsync.receiver  # noqa: F401
+
     registry = CollectorRegistry()
     metrics = EmulatorMetrics(registry)
     try:
