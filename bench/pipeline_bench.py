@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{real.per_hour / sim.rollouts_per_hour:6.3f}  "
             f"{real.busy:4.0%}/{sim.utilisation:<6.0%} "
             f"{real.lag_mean:8.2f}/{sim.staleness_mean:<10.2f} "
-            f"{real.lag_max:3d}/{sim.staleness_max:<3d}"
+            f"{real.lag_max:3d}/{sim.staleness_max:<3d}".rstrip()
         )
     print(
         "m/s: measured / simulated; staleness: trainer step minus the version that launched "
