@@ -24,8 +24,9 @@ from up_helpers import SHORT_RUN, UpProcess, deep_update, stack_state, wait_for_
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "relayrl"
 COMPONENTS = ("gateway", "reward", "trainer", "weightsync", "engine")
-STEPS = 14
+STEPS = 30  # long enough to go on training while Prometheus gathers MIN_SCRAPES
 RATE_WINDOW = "10s"  # $__rate_interval for a 1 s scrape interval
+MIN_SCRAPES = 5  # per component, within RATE_WINDOW, before the panels are queried
 
 
 def render_chart(tools: Any) -> list[dict[str, Any]]:
@@ -67,6 +68,24 @@ def local_targets(objects: list[dict[str, Any]], run_dir: Path) -> list[LocalTar
     return targets
 
 
+def wait_for_scrapes(prometheus: PrometheusServer, up: UpProcess, timeout_s: float) -> None:
+    """Until every component has MIN_SCRAPES successful scrapes within the last rate window,
+    so that every rate() over it has its two samples. Counting steps is not enough: a fast run
+    reaches them within seconds of Prometheus' start, and under load a scrape can miss its
+    1 s timeout."""
+    expr = f"sum by (component) (sum_over_time(up[{RATE_WINDOW}]))"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = {
+            s["metric"].get("component"): float(s["value"][1]) for s in prometheus.query(expr)
+        }
+        if all(counts.get(c, 0) >= MIN_SCRAPES for c in COMPONENTS):
+            return
+        assert up.process.poll() is None, f"the run ended before enough scrapes: {counts}"
+        assert time.monotonic() < deadline, f"too few successful scrapes: {counts}"
+        time.sleep(0.5)
+
+
 def substitute(expr: str, namespace: str) -> str:
     out = expr.replace("$__rate_interval", RATE_WINDOW).replace("$__interval", "1s")
     out = out.replace("${namespace}", namespace).replace("$namespace", namespace)
@@ -96,7 +115,7 @@ def test_prometheus_scrapes_a_run_with_the_charts_monitoring_and_panels_have_dat
         targets = local_targets(objects, up.run_dir)
         prometheus.start(scrape_configs(monitors, targets, "1s"), [rules_path])
         wait_for_steps(up, 6, 600)
-        time.sleep(3)  # a few more scrapes and rule evaluations
+        wait_for_scrapes(prometheus, up, 300)
         at = time.time()  # queried at this moment, while the run was still training
         assert up.process.poll() is None, "the run ended before Prometheus saw enough of it"
 
