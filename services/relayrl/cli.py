@@ -4,6 +4,7 @@
     relayrl status [RUN_DIR]      the state of a run's stack (health, versions, queue)
     relayrl tq counts             prompt groups and trajectories by status, per partition
     relayrl tq events PARTITION   the last transitions of a partition
+    relayrl tq redrive PARTITION  put dead letters back into the event stream
     relayrl model init DIR        write a tiny Qwen2 model and its tokenizer, built from a seed
     relayrl engine [MODEL]        start a vLLM engine replica with relayrl's worker extension
     relayrl sim                   simulate a rollout pipeline design (throughput, staleness)
@@ -88,8 +89,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     build_task(config)  # a bad task knob is a usage error, before anything starts
     from relayrl.up.run import Run, new_run_dir
 
+    # Every path a child process sees is absolute: a child runs in its own folder (Redis even
+    # changes into its data dir before it opens its log), where a relative path names
+    # something else.
+    config = config.model_copy(update={"runs_dir": config.runs_dir.absolute()})
     if args.resume is not None:
-        run_dir = args.resume
+        run_dir = args.resume.absolute()
         if (run_dir / "run.json").exists():
             import json
 
@@ -160,6 +165,37 @@ def cmd_tq_events(args: argparse.Namespace) -> int:
             f"{entry_id.decode()} {f.get('kind')} {f.get('key')} "
             f"{f.get('from') or '-'} -> {f.get('to')} {extra}".rstrip()
         )
+    return 0
+
+
+def cmd_tq_redrive(args: argparse.Namespace) -> int:
+    """Dead letters back into their event stream (after the cause is fixed)."""
+    from relayrl.tq.queue import event_from_entry
+
+    tq = _tq_from_args(args)
+    if args.partition not in tq.partitions():
+        raise ValueError(f"no partition {args.partition!r} in namespace {args.namespace!r}")
+    dead = tq.redis.xrange(f"{tq.key_prefix(args.partition)}dead", "-", "+", count=args.count)
+    letters = [event_from_entry(i, f) for i, f in dead]
+    if args.id:
+        known = {e.id for e in letters}
+        missing = [i for i in args.id if i not in known]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: not dead letters of {args.partition!r}")
+        letters = [e for e in letters if e.id in set(args.id)]
+    if not letters:
+        print(f"{args.partition}: no dead letters")
+        return 0
+    for e in letters:
+        print(
+            f"{e.id} {e.kind} {e.key} -> {e.to_status} (group {e.extra.get('dead_group')}, "
+            f"{e.extra.get('dead_deliveries')} deliveries)"
+        )
+    if args.dry_run:
+        print(f"{args.partition}: {len(letters)} dead letters (not re-driven: --dry-run)")
+        return 0
+    added = tq.redrive_dead_letters(args.partition, [e.id for e in letters])
+    print(f"{args.partition}: re-drove {len(added)} dead letters into the event stream")
     return 0
 
 
@@ -266,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     events.add_argument("partition")
     events.add_argument("-n", "--count", type=int, default=20, help="how many (default 20)")
     events.set_defaults(func=cmd_tq_events)
+    redrive = tq_sub.add_parser(
+        "redrive", help="put dead letters back into their event stream (after a fix)"
+    )
+    redrive.add_argument("partition")
+    redrive.add_argument("--id", action="append", help="only this dead-letter id (repeatable)")
+    redrive.add_argument("-n", "--count", type=int, default=1000, help="at most (default 1000)")
+    redrive.add_argument("--dry-run", action="store_true", help="list them, change nothing")
+    redrive.set_defaults(func=cmd_tq_redrive)
     _add_model_parser(sub)
     engine = sub.add_parser(
         "engine",

@@ -53,15 +53,17 @@ class TQConfig(StrictModel):
     event_stream_max_len: int = Field(
         1_000_000,
         ge=1000,
-        description="Approximate length at which each partition's event stream is trimmed. "
-        "Keep it well above the number of events a slow consumer group can fall behind by.",
+        description="Length beyond which each partition's event stream is trimmed of its "
+        "oldest entries -- never of one a consumer group has not acknowledged: the stream then "
+        "grows instead (the tq_event_stream_entries gauge shows it).",
     )
-    durability: Literal["everysec", "always"] = Field(
+    durability: Literal["everysec", "always", "off"] = Field(
         "everysec",
         description="AOF fsync policy the queue expects of its Redis (appendonly yes + "
         "appendfsync). `always` fsyncs every transition before acknowledging it; `everysec` "
         "may lose up to ~1 s (2 s on a slow disk) of acknowledged transitions on a machine "
-        "crash. check_durability() verifies the server matches.",
+        "crash. Services refuse to start against a Redis that does not match; `off` accepts "
+        "any Redis (a restart of it may lose the whole queue: for throwaway runs only).",
     )
     socket_timeout_s: float = Field(
         30.0, gt=0, description="Timeout of one Redis command (a stuck Redis is an error)."

@@ -14,6 +14,7 @@ entries delivered again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import redis
@@ -22,6 +23,8 @@ from relayrl.tq import codec
 from relayrl.tq.errors import InvalidInputError
 from relayrl.tq.model import Event
 from relayrl.tq.queue import TransferQueue, event_from_entry, unavailable_as_tq_error
+
+logger = logging.getLogger(__name__)
 
 
 class EventConsumer:
@@ -94,7 +97,12 @@ class EventConsumer:
         """The entries this role acts on; the others are acknowledged at once."""
         wanted, unwanted = [], []
         for entry_id, fields in entries:
-            if fields is None:  # trimmed from the stream while pending
+            if fields is None:  # deleted while pending: the queue never trims such entries
+                logger.error(
+                    "event %s of %s was deleted from the stream while pending in group %s (by "
+                    "hand?); what it announced is not processed through this event",
+                    entry_id, self.stream, self.group,
+                )  # fmt: skip
                 unwanted.append(entry_id)
             elif self._wants is None or self._wants_kind_to(fields):
                 wanted.append((entry_id, fields))

@@ -44,6 +44,7 @@ class TQCollector(Collector):
             "launched": metric_name(service, "tq_launched", "groups"),
             "stale": metric_name(service, "tq_stale", "groups"),
             "dead": metric_name(service, "tq_dead_letter", "events"),
+            "events": metric_name(service, "tq_event_stream", "entries"),
         }
 
     def describe(self) -> list:
@@ -85,6 +86,12 @@ class TQCollector(Collector):
             "Events in the partition's dead-letter stream (given up on after max deliveries)",
             labels=["partition"],
         )
+        events = GaugeMetricFamily(
+            names["events"],
+            "Entries in the partition's event stream (beyond tq.event_stream_max_len only while "
+            "a consumer group has not acknowledged the oldest: the queue never trims those)",
+            labels=["partition"],
+        )
         step = self._current_step()
         for partition in self._partitions:
             counts = self._tq.counts(partition)
@@ -94,11 +101,12 @@ class TQCollector(Collector):
                 trajectories.add_metric([partition, status.value], n)
             launched.add_metric([partition], counts.num_launched)
             dead.add_metric([partition], self._tq.num_dead_letters(partition))
+            events.add_metric([partition], self._tq.event_stream_length(partition))
             if step is not None:
                 for status, histogram in self._tq.staleness(partition, step).items():
                     for label, n in self._bucket(histogram).items():
                         stale.add_metric([partition, status.value, label], n)
-        return [groups, trajectories, launched, stale, dead]
+        return [groups, trajectories, launched, stale, dead, events]
 
     def _bucket(self, histogram: dict[int, int]) -> dict[str, int]:
         buckets: dict[str, int] = {}

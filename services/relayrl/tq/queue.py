@@ -423,8 +423,10 @@ class TransferQueue:
 
     def reset_consumption(self, partition: str, after_step: int) -> list[str]:
         """After restoring the checkpoint of `after_step`: groups consumed at later steps go back
-        to scored, so resuming neither loses nor re-trains a trajectory."""
-        _positive_int(after_step, "after_step", 0)
+        to scored, so resuming neither loses nor re-trains a trajectory. -1: a trainer that
+        starts over without a checkpoint gives back every consumed group."""
+        if not isinstance(after_step, int) or isinstance(after_step, bool) or after_step < -1:
+            raise InvalidInputError(f"after_step must be an integer >= -1, got {after_step!r}")
         return [u.decode() for u in self._call(partition, "reset_consumption", after_step)]
 
     # -- reads ----------------------------------------------------------------------------
@@ -483,6 +485,31 @@ class TransferQueue:
                 raise UnknownKeyError(partition, key)
             out.append(codec.decode_trajectory(partition, key, fields, data))
         return out
+
+    def event_stream_length(self, partition: str) -> int:
+        """Entries in the partition's event stream (above event_stream_max_len only while a
+        consumer group has not acknowledged the oldest ones)."""
+        codec.check_partition_name(partition)
+        with unavailable_as_tq_error():
+            return int(self._redis.xlen(f"{self.key_prefix(partition)}events"))
+
+    def redrive_dead_letters(
+        self, partition: str, ids: Sequence[str] | None = None, count: int = 1000
+    ) -> list[str]:
+        """Moves dead letters (all of them, up to `count`, or those with the given dead-letter
+        ids) back into the event stream as new entries, so that their consumer group reads
+        them again; returns the ids of the new entries. Atomic per call."""
+        codec.check_partition_name(partition)
+        _positive_int(count, "count")
+        prefix = self.key_prefix(partition)
+        wanted = list(ids or [])
+        raw = self._run(
+            partition,
+            "redrive",
+            [f"{prefix}events", f"{prefix}dead"],
+            [count, len(wanted), *wanted],
+        )
+        return [entry.decode() if isinstance(entry, bytes) else entry for entry in raw]
 
     def num_dead_letters(self, partition: str) -> int:
         """Events given up on after too many deliveries (the dead-letter stream's length)."""
@@ -566,7 +593,7 @@ class TransferQueue:
             partition,
             "reclaim",
             [f"{prefix}events", f"{prefix}dead"],
-            [group, reader, min_idle_ms, count, max_deliveries, self._event_stream_max_len],
+            [group, reader, min_idle_ms, count, max_deliveries],
         )
         events = []
         for i in range(1, len(raw), 3):
@@ -590,7 +617,14 @@ class TransferQueue:
 
     def check_durability(self) -> None:
         """Raises DurabilityError unless the server runs with AOF and the configured fsync policy.
-        A server that hides CONFIG (managed Redis) gets a warning instead."""
+        A server that hides CONFIG (managed Redis) gets a warning instead; so does every server
+        with `durability: off`."""
+        if self._durability == "off":
+            log.warning(
+                "tq.durability is off: a restart of Redis %s may lose the whole queue",
+                self._redis.connection_pool.connection_kwargs.get("host", ""),
+            )
+            return
         try:
             with unavailable_as_tq_error():
                 config = self._redis.config_get("append*")

@@ -30,7 +30,7 @@ PARTITION_SCRIPTS = (
     "reset_consumption",
 )
 # Scripts with their own calling convention (no prelude).
-STANDALONE_SCRIPTS = ("reclaim",)
+STANDALONE_SCRIPTS = ("reclaim", "redrive")
 
 
 def _source(name: str) -> str:

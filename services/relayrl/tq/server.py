@@ -43,7 +43,9 @@ class RedisServer:
         password: str | None = None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
-        self.data_dir = Path(data_dir)
+        # Absolute: redis-server changes into --dir before it opens --logfile, so a relative
+        # log path would name a file inside the data dir's own copy of that path.
+        self.data_dir = Path(data_dir).absolute()
         self.host = host
         self.port = port or free_port(host)
         self.appendfsync = appendfsync

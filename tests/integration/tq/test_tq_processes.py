@@ -351,6 +351,27 @@ def test_entry_delivered_max_deliveries_times_without_ack_is_dead_lettered(
     assert statuses == {poison: "finished", good[0]: "scored", good[1]: "scored"}
     assert tq.counts(P).groups[GroupStatus.SCORED] == 2
 
+    # The cause fixed, an operator re-drives the dead letter with the real CLI, and a reader
+    # that no longer crashes on it scores it: nothing given up on is lost for good.
+    relayrl = str(Path(sys.executable).parent / "relayrl")
+    redrive = subprocess.run(
+        [relayrl, "tq", "--url", redis_server.url, "redrive", P],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert redrive.returncode == 0, redrive.stderr
+    assert f"{P}: re-drove 1 dead letters" in redrive.stdout, redrive.stdout
+    fixed = start_worker(
+        "fixed",
+        "consume-until-poison",
+        *("--port", redis_server.port, "--group", "reward", "--reader", "fixed"),
+        *("--poison", "none", "--reclaim-idle-s", 0.2),
+        *("--max-deliveries", max_deliveries, "--quiet-exit-s", 0.6),
+    )
+    assert fixed.wait(60) == 0, fixed.lines()
+    assert [line["acked"] for line in fixed.lines() if "acked" in line] == [[poison]]
+    assert tq.num_dead_letters(P) == 0
+    assert tq.counts(P).groups[GroupStatus.SCORED] == 3
+
 
 # -- 4. lease expiry after a gateway crash ------------------------------------------------------
 

@@ -24,10 +24,54 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- Stream entry ids "<ms>-<seq>" in order.
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+
+local function id_less(a, b)
+  local a_ms, a_seq = id_parts(a)
+  local b_ms, b_seq = id_parts(b)
+  return a_ms < b_ms or (a_ms == b_ms and a_seq < b_seq)
+end
+
+-- The oldest entry of `stream` that some consumer group still needs (its first pending entry,
+-- or the last one delivered to it), or nil when no group reads the stream.
+local function oldest_needed(stream)
+  local needed = nil
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local info = {}
+    for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+    local id = info['last-delivered-id']
+    if tonumber(info['pending']) > 0 then
+      id = redis.call('XPENDING', stream, info['name'])[2]
+    end
+    if needed == nil or id_less(id, needed) then needed = id end
+  end
+  return needed
+end
+
+-- Trims the event stream towards MAXLEN entries, never past an entry a consumer group has not
+-- acknowledged (or not been delivered yet): trimming loses history, never work. At most 1000
+-- entries per call, so that the work per transition stays bounded.
+local function trim_events()
+  local stream = P .. 'events'
+  local excess = redis.call('XLEN', stream) - tonumber(MAXLEN)
+  if excess <= 0 then return end
+  local needed = oldest_needed(stream)
+  local upto = needed and ('(' .. needed) or '+'
+  local old = redis.call('XRANGE', stream, '-', upto, 'COUNT', math.min(excess, 1000))
+  if #old == 0 then return end
+  -- MINID keeps ids >= its argument: the id just after the last entry to go
+  local ms, seq = string.match(old[#old][1], '^(%d+)-(%d+)$')
+  redis.call('XTRIM', stream, 'MINID', ms .. '-' .. string.format('%d', tonumber(seq) + 1))
+end
+
 -- Appends one transition to the partition's event stream, in the same atomic step.
 local function emit(kind, key, from, to, ...)
-  redis.call('XADD', P .. 'events', 'MAXLEN', '~', MAXLEN, '*',
-    'kind', kind, 'key', key, 'from', from, 'to', to, ...)
+  redis.call('XADD', P .. 'events', '*', 'kind', kind, 'key', key, 'from', from, 'to', to, ...)
+  trim_events()
 end
 
 -- Moves a group between status indexes (sorted sets scored by prompt step, or by consumed step

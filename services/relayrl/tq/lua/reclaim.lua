@@ -1,7 +1,8 @@
 -- Consumer-group housekeeping for one reader, atomically: entries idle longer than ARGV[3] ms
 -- (their reader presumably died) are claimed for reader ARGV[2], except those already delivered
 -- ARGV[5] times or more, which go to the dead-letter stream KEYS[2] and are acknowledged.
--- KEYS[1] stream, ARGV[1] group, ARGV[4] max entries, ARGV[6] dead-letter max length.
+-- KEYS[1] stream, ARGV[1] group, ARGV[4] max entries. The dead-letter stream is never trimmed:
+-- each entry waits for an operator (`relayrl tq redrive`).
 -- Returns {num_dead, id, deliveries, {field, value, ...}, id, ...}.
 local stream, dead_stream, group, reader = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
 local min_idle, max_deliveries = ARGV[3], tonumber(ARGV[5])
@@ -16,7 +17,7 @@ for _, p in ipairs(pending) do
                             'dead_deliveries', tostring(count)}) do
       fields[#fields + 1] = extra
     end
-    redis.call('XADD', dead_stream, 'MAXLEN', '~', ARGV[6], '*', unpack(fields))
+    redis.call('XADD', dead_stream, '*', unpack(fields))
     redis.call('XACK', stream, group, id)
     num_dead = num_dead + 1
   else
