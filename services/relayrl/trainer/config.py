@@ -282,6 +282,13 @@ class TrainerConfig(ServiceConfig):
     metrics_log: Path | None = Field(
         None, description="JSONL file that receives every step's metrics."
     )
+    outage_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a lost TransferQueue (Redis) or weight-sync is waited out, "
+        "retrying with backoff and one log line per outage, before the trainer gives up and "
+        "exits (its supervisor restarts it from the last checkpoint).",
+    )
 
     @model_validator(mode="after")
     def _mode_rules(self) -> TrainerConfig:

@@ -28,8 +28,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relayrl.core.outage import Outage
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupWithTrajectories
+from relayrl.tq.queue import TQUnavailableError
 from relayrl.trainer.advantages import GroupRewards, dapo_filter
 from relayrl.trainer.batch import ScoredGroup, is_valid, scored_groups
 from relayrl.trainer.config import TrainerConfig
@@ -130,20 +132,31 @@ class Leader:
             poll_interval_s=data.poll_interval_s,
             wait_timeout_s=data.wait_timeout_s,
             refill_per_filtered=algorithm.refill_per_filtered,
+            outage_timeout_s=config.outage_timeout_s,
         )
         self.refill_groups = 0
         self.gateway = GatewayLink(config.gateway) if config.gateway is not None else None
         self._announced_at = 0.0
 
+    def _through_outage(self, what: str, function: Callable[[], Any]) -> Any:
+        """`function()` (safe to repeat), waiting out a lost Redis."""
+        outage = Outage(f"the TransferQueue ({what})", self.config.outage_timeout_s)
+        return outage.call(function, (TQUnavailableError,))
+
     def resume(self, step: int, num_issued: int, refill_groups: int) -> None:
+        """Rewinds the queue to the restored step: the groups consumed at `step` or later (by
+        a run whose weights after them are lost) go back to scored; at step 0, with no
+        checkpoint, that is every consumed group."""
         self.refill_groups = refill_groups
-        if step > 0:
-            returned = self.tq.reset_consumption(self.partition, after_step=step - 1)
-            if returned:
-                logger.info("resume at step %d: %d groups back to scored", step, len(returned))
+        returned = self._through_outage(
+            "resume", lambda: self.tq.reset_consumption(self.partition, after_step=step - 1)
+        )
+        if returned:
+            logger.info("resume at step %d: %d groups back to scored", step, len(returned))
         if self.feeder is not None:
-            self.feeder.num_issued = num_issued
-            skipped = self.feeder.skip_existing()
+            feeder = self.feeder
+            feeder.num_issued = num_issued
+            skipped = self._through_outage("resume", feeder.skip_existing)
             if skipped:
                 logger.info("resume: %d groups were issued after the checkpoint", skipped)
 
@@ -152,8 +165,11 @@ class Leader:
         granted so far) and tells the gateway the step, so its throttle admits them."""
         algorithm = self.config.algorithm
         if self.feeder is not None:
+            feeder = self.feeder
             target = self.mode.groups_to_issue(step, algorithm.train_batch_groups, algorithm.eta)
-            self.feeder.issue_up_to(target + self.refill_groups, step)
+            self._through_outage(
+                "issuing prompts", lambda: feeder.issue_up_to(target + self.refill_groups, step)
+            )
         self._announce(step)
 
     def _announce(self, step: int) -> None:
@@ -250,7 +266,9 @@ class TrainingLoop:
         self.leader = leader
         self.metrics = metrics
         self.mode: TrainerMode = mode_for(config.algorithm.mode)
-        self.publisher = publisher or build_publisher(config.publish, config.model.hf_dir)
+        self.publisher = publisher or build_publisher(
+            config.publish, config.model.hf_dir, outage_timeout_s=config.outage_timeout_s
+        )
         self.control = control or Control()
         self.status = status or Status()
         self.updater: PolicyUpdater | EmulatedUpdater = (
@@ -293,11 +311,19 @@ class TrainingLoop:
             self.leader.resume(
                 self.step, int(common.get("num_issued", 0)), int(common.get("refill_groups", 0))
             )
-        if self.step > 0:
-            # Rollout may hold versions published after this checkpoint, from weights this
-            # run has lost: put the engines back on the ones it continues from (collective).
+        # Rollout may hold versions published after this checkpoint (or, with no checkpoint,
+        # after the initial weights), from weights this run has lost: put the engines back on
+        # the ones it continues from, under the same version number -- a checkpoint of step k
+        # holds exactly the weights published as version k (collective).
+        committed = self._broadcast(self.publisher.committed_version() if self.is_leader else None)
+        if self.step > 0 or (committed is not None and committed != self.step):
             self.publisher.publish(self.step, self.model, self.spec, supersede=True)
-            logger.info("republished version %d (the checkpoint's weights)", self.step)
+            logger.info(
+                "republished version %d (the %s weights; rollout held version %s)",
+                self.step,
+                "checkpoint's" if self.step else "initial",
+                "unknown" if committed is None else committed,
+            )
         self.status.published_version = self.step
 
     def save(self) -> None:

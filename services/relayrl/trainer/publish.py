@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from relayrl.core.outage import Outage
 from relayrl.trainer.config import (
     HfDirPublishSettings,
     NoPublishSettings,
@@ -30,9 +31,13 @@ class WeightPublisher(ABC):
         `supersede`: the trainer resumed from a checkpoint, and rollout may hold a newer
         version than `version`, which these weights must replace."""
 
+    def committed_version(self) -> int | None:
+        """The version rollout holds now, where the backend knows it (None: it does not)."""
+        return None
+
 
 class NoPublisher(WeightPublisher):
-    def __init__(self, settings: NoPublishSettings, hf_dir: Path) -> None:
+    def __init__(self, settings: NoPublishSettings, hf_dir: Path, **_: Any) -> None:
         pass
 
     def publish(
@@ -45,7 +50,7 @@ class HfDirPublisher(WeightPublisher):
     """`<dir>/v<version>`: a complete HF folder (config, weights, tokenizer); `save_hf_dir`
     writes it under a temporary name and renames it, so a reader never sees half a version."""
 
-    def __init__(self, settings: HfDirPublishSettings, hf_dir: Path) -> None:
+    def __init__(self, settings: HfDirPublishSettings, hf_dir: Path, **_: Any) -> None:
         self._settings = settings
         self._source = hf_dir
 
@@ -82,10 +87,18 @@ class HfDirPublisher(WeightPublisher):
 class WeightSyncPublisher(WeightPublisher):
     """Every rank exports the full (TP-gathered) HF tensors and pushes its share of the
     buckets to relayrl-weightsync; with wait_for_commit the step ends once every live replica
-    holds the version."""
+    holds the version.
 
-    def __init__(self, settings: WeightSyncPublishSettings, hf_dir: Path) -> None:
+    A publish that fails (weight-sync restarting, a transfer that did not commit) is tried
+    again, with backoff, for up to `outage_timeout_s`: the ranks agree after each try (an
+    all-reduce of their outcomes), so they all retry together -- a transfer needs every rank's
+    buckets."""
+
+    def __init__(
+        self, settings: WeightSyncPublishSettings, hf_dir: Path, *, outage_timeout_s: float = 600
+    ) -> None:
         self._settings = settings
+        self._outage_timeout_s = outage_timeout_s
         self._sender: Any = None
 
     def _connect(self) -> Any:
@@ -104,21 +117,54 @@ class WeightSyncPublisher(WeightPublisher):
             )
         return self._sender
 
+    def _outage(self) -> Outage:
+        return Outage(f"weight-sync at {self._settings.target}", self._outage_timeout_s)
+
+    def committed_version(self) -> int | None:
+        import grpc
+
+        sender = self._connect()
+        return self._outage().call(sender.committed_version, (grpc.RpcError,))
+
     def publish(
         self, version: int, model: Any, spec: Any, *, supersede: bool = False
     ) -> dict[str, float]:
+        import grpc
+
         from relayrl.trainer.hf_mapping import export_hf_tensors
+        from relayrl.weightsync.sender import PublishError
 
         sender = self._connect()
-        tensors = list(export_hf_tensors(model, spec))
-        result = sender.publish(version, version, tensors, supersede=supersede)
-        if self._settings.wait_for_commit or supersede:
-            sender.wait_committed(result.transfer_id, self._settings.timeout_s)
+        tensors = list(export_hf_tensors(model, spec))  # collective: once, whatever the tries
+        outage = self._outage()
+        while True:
+            error: Exception | None = None
+            try:
+                result = sender.publish(version, version, tensors, supersede=supersede)
+                if self._settings.wait_for_commit or supersede:
+                    sender.wait_committed(result.transfer_id, self._settings.timeout_s)
+            except (PublishError, grpc.RpcError) as exc:
+                error = exc
+            if _every_rank(error is None):
+                outage.recovered()
+                break
+            outage.failed(error or "another trainer rank's publish failed")
         return {
             "publish_bytes": float(result.bytes_total),
             "publish_sent_bytes": float(result.bytes_sent),
             **{f"publish_{k}_s": v for k, v in result.seconds.items()},
         }
+
+
+def _every_rank(ok: bool) -> bool:
+    """Whether `ok` holds on every trainer rank (collective when there are several)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    import torch
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 PUBLISHERS: dict[str, type[WeightPublisher]] = {
@@ -129,6 +175,11 @@ PUBLISHERS: dict[str, type[WeightPublisher]] = {
 
 
 def build_publisher(
-    settings: NoPublishSettings | HfDirPublishSettings | WeightSyncPublishSettings, hf_dir: Path
+    settings: NoPublishSettings | HfDirPublishSettings | WeightSyncPublishSettings,
+    hf_dir: Path,
+    *,
+    outage_timeout_s: float = 600.0,
 ) -> WeightPublisher:
-    return PUBLISHERS[settings.type](settings, hf_dir)  # type: ignore[arg-type]
+    return PUBLISHERS[settings.type](  # type: ignore[arg-type]
+        settings, hf_dir, outage_timeout_s=outage_timeout_s
+    )

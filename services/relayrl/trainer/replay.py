@@ -22,8 +22,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from relayrl.core.outage import Outage
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus, GroupWithTrajectories
+from relayrl.tq.queue import TQUnavailableError
 
 # A group is kept, or rejected for one of these reasons; `credit` is how many new prompts the
 # feeder issues for it (003 §7.2.1 refills evictions one for one; §7.3 refills DAPO).
@@ -60,9 +62,11 @@ class ReplaySampler:
         poll_interval_s: float,
         wait_timeout_s: float,
         refill_per_filtered: int = 1,
+        outage_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """`outage_timeout_s`: how long a lost Redis is waited out within one `sample`."""
         if policy not in ("drop", "wait"):
             raise ValueError(f"unknown staleness policy {policy!r}; known: drop, wait")
         self._tq = tq
@@ -74,6 +78,7 @@ class ReplaySampler:
         self._refill_per_filtered = refill_per_filtered
         self._clock = clock
         self._sleep = sleep
+        self._outage_timeout_s = outage_timeout_s
 
     def staleness(self, prompt_step: int, step: int) -> int:
         return step - prompt_step + 1
@@ -115,41 +120,75 @@ class ReplaySampler:
         out = Sample(kept=[])
         seen: set[str] = set()
         start = self._clock()
+        outage = Outage(
+            f"the TransferQueue (sampling step {step})",
+            self._outage_timeout_s,
+            clock=self._clock,
+            sleep=self._sleep,
+        )
         while True:
             if stop():
                 raise SamplingStopped(f"stopped while sampling step {step}")
-            if self._policy == "wait" and self.blocked(step):
-                self._check_deadline(step, start, out, "an in-flight group to finish")
-                out.blocked_s += self._poll_interval_s
-                on_wait()
-                self._sleep(self._poll_interval_s)
+            try:
+                done = self._sample_once(step, num_groups, judge, refill, on_wait, out, seen, start)
+            except TQUnavailableError as exc:
+                # Every call of a round is safe to repeat: consume is idempotent per step, and
+                # a group counts as seen only once judged.
+                outage.failed(exc)
                 continue
-            if self._policy == "drop":
-                evicted = self.evict_stale(step)
-                if evicted:
-                    out.num_evicted += len(evicted)
-                    refill(len(evicted))
-            need = num_groups - len(out.kept)
-            if need <= 0:
+            outage.recovered()
+            if done:
                 break
-            uids = self._tq.consume(self._partition, step, len(seen) + need)
-            fresh = [u for u in uids if u not in seen]
-            if not fresh:
-                self._check_deadline(step, start, out, f"{need} more scored groups")
-                on_wait()
-                self._sleep(self._poll_interval_s)
-                continue
-            seen.update(fresh)
-            out.num_consumed += len(fresh)
-            for group in self._tq.get_groups(self._partition, fresh):
-                verdict = self._verdict(group, step, judge)
-                if verdict == "keep":
-                    out.kept.append(group)
-                else:
-                    out.rejected[verdict] += 1
-                    refill(self._refill_per_filtered if verdict == "no_signal" else 1)
         out.waited_s = self._clock() - start
         return out
+
+    def _sample_once(
+        self,
+        step: int,
+        num_groups: int,
+        judge: Callable[[GroupWithTrajectories], Verdict],
+        refill: Callable[[int], None],
+        on_wait: Callable[[], None],
+        out: Sample,
+        seen: set[str],
+        start: float,
+    ) -> bool:
+        """One round of `sample`; whether the step has its groups."""
+        if self._policy == "wait" and self.blocked(step):
+            self._check_deadline(step, start, out, "an in-flight group to finish")
+            out.blocked_s += self._poll_interval_s
+            on_wait()
+            self._sleep(self._poll_interval_s)
+            return False
+        if self._policy == "drop":
+            evicted = self.evict_stale(step)
+            if evicted:
+                out.num_evicted += len(evicted)
+                refill(len(evicted))
+        need = num_groups - len(out.kept)
+        if need <= 0:
+            return True
+        uids = self._tq.consume(self._partition, step, len(seen) + need)
+        fresh = [u for u in uids if u not in seen]
+        if not fresh:
+            self._check_deadline(step, start, out, f"{need} more scored groups")
+            on_wait()
+            self._sleep(self._poll_interval_s)
+            return False
+        groups = self._tq.get_groups(self._partition, fresh)
+        seen.update(fresh)
+        out.num_consumed += len(fresh)
+        credit = 0
+        for group in groups:
+            verdict = self._verdict(group, step, judge)
+            if verdict == "keep":
+                out.kept.append(group)
+            else:
+                out.rejected[verdict] += 1
+                credit += self._refill_per_filtered if verdict == "no_signal" else 1
+        if credit:  # after the verdicts are recorded: a failing refill loses none of them
+            refill(credit)
+        return False
 
     def _verdict(
         self,

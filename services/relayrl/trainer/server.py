@@ -258,7 +258,9 @@ def serve(config: TrainerConfig, ready_file: Path | None = None) -> int:
 
 def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
     from relayrl.core.grpc_server import write_ready_file
+    from relayrl.core.outage import Outage, OutageTimeout
     from relayrl.tq.errors import TQError
+    from relayrl.tq.queue import TQUnavailableError
     from relayrl.trainer.loop import (
         Control,
         Leader,
@@ -297,7 +299,14 @@ def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
             metrics = TrainerMetrics(
                 registry, config.metrics_log, config.algorithm.staleness_threshold
             )
-            tq = TransferQueue.from_config(config.tq)
+            def open_queue() -> TransferQueue:
+                queue = TransferQueue.from_config(config.tq)
+                queue.check_durability()  # DurabilityError: refuse to start (one line)
+                return queue
+
+            tq = Outage(f"the TransferQueue ({config.tq.url})", config.outage_timeout_s).call(
+                open_queue, (TQUnavailableError,)
+            )
             registry.register(
                 TQCollector(tq, "trainer", [config.data.partition], lambda: status.step)
             )
@@ -325,7 +334,7 @@ def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
             loop.save()  # a requested stop keeps the work of the last steps
         logger.info("trainer stopped at step %d", loop.step)
         return 0
-    except (StepTimeout, ValueError, TQError, OSError) as exc:  # one line, not a traceback
+    except (StepTimeout, OutageTimeout, ValueError, TQError, OSError) as exc:  # one line
         status.state, status.error = State.FAILED, str(exc)
         logger.error("%s", exc)
         return EXIT_FAILED

@@ -12,6 +12,7 @@ from trainer_tq import claim, put_group, scored_group
 
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
+from relayrl.tq.server import RedisServer
 from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, PromptFileError, load_prompts
 from relayrl.trainer.replay import ReplaySampler, StepTimeout
 
@@ -186,3 +187,34 @@ def test_bad_prompt_files_name_the_line(tmp_path: Path, line: str, match: str) -
     path.write_text(line + "\n")
     with pytest.raises(PromptFileError, match=match):
         load_prompts(path)
+
+
+def test_a_trainer_without_a_checkpoint_gives_back_every_consumed_group(
+    tq: TransferQueue,
+) -> None:
+    for uid in ("a", "b", "c"):
+        scored_group(tq, uid, [1.0, 0.0])
+    assert sorted(tq.consume("train", 0, 2) + tq.consume("train", 1, 1)) == ["a", "b", "c"]
+    assert sorted(tq.reset_consumption("train", after_step=-1)) == ["a", "b", "c"]
+    assert tq.counts("train").groups[GroupStatus.SCORED] == 3
+    with pytest.raises(Exception, match="after_step must be an integer >= -1"):
+        tq.reset_consumption("train", after_step=-2)
+
+
+def test_sampling_waits_out_a_redis_restart(tq: TransferQueue, redis_server: RedisServer) -> None:
+    scored_group(tq, "survivor", [1.0, 0.0])
+    redis_server.kill()  # as SIGKILL: the group is in the AOF
+    restarted: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the sampler's backoff: Redis comes back meanwhile
+        if not restarted:
+            redis_server.start()
+        restarted.append(seconds)
+
+    sampler = ReplaySampler(
+        tq, "train", policy="drop", threshold=2, poll_interval_s=0.0, wait_timeout_s=30.0,
+        sleep=sleep,
+    )  # fmt: skip
+    sample = sampler.sample(0, 1, keep_all, lambda n: None)
+    assert [g.group.uid for g in sample.kept] == ["survivor"]
+    assert restarted == [0.5]  # one backoff, then it answered
