@@ -57,12 +57,12 @@ class ServiceProcess:
         """`log_path`: where stdout and stderr go (default: `<workdir>/<command>.log`)."""
         self.command = command
         self._owns_workdir = workdir is None
-        self.workdir = workdir or Path(tempfile.mkdtemp(prefix=f"{command}-"))
+        self.workdir = (workdir or Path(tempfile.mkdtemp(prefix=f"{command}-"))).absolute()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / f"{command}.yaml"
         self.config_path.write_text(yaml.safe_dump(dict(config)), encoding="utf-8")
         self.ready_file = self.workdir / f"{command}.ready.json"
-        self.log_path = log_path or self.workdir / f"{command}.log"
+        self.log_path = (log_path or self.workdir / f"{command}.log").absolute()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None

@@ -575,10 +575,12 @@ class EmulatedWorker:
         self._lock = asyncio.Lock()  # one version at a time, as a worker loads
         self._num_params = 0
         self._bucket_sha256: list[str] = []
+        # As a real worker: "" (its initial weights), a transfer id, None (mid-load or failed)
+        self._holds: str | None = ""
 
     async def call(self, method: str, request: dict[str, Any]) -> dict[str, Any]:
         if method == "relayrl_ping":
-            return {"ok": True}
+            return {"ok": True, "holds": self._holds}
         if method == "relayrl_weight_info":
             return self.weight_info()
         if method == "relayrl_receive":
@@ -607,6 +609,7 @@ class EmulatedWorker:
             raise BadRequest(f"relayrl_receive request lacks {', '.join(missing)}")
         async with self._lock:
             start = time.monotonic()
+            self._holds = None
             try:
                 stats, num_params = await _in_daemon_thread(_receive_and_discard, request)
             except Exception:
@@ -617,6 +620,7 @@ class EmulatedWorker:
             await asyncio.sleep(self._config.sync_time_s * self._config.time_scale)
             stats["seconds"] = time.monotonic() - start
             self._num_params, self._bucket_sha256 = num_params, list(stats["bucket_sha256"])
+            self._holds = str(request["transfer_id"])
             self._metrics.loads.labels("ok").inc()
         logger.info(
             "received %s: %d buckets, %d bytes",

@@ -47,11 +47,11 @@ class EngineProcess:
         if config.port == 8000:  # the default: pick a free one instead
             config = config.model_copy(update={"port": free_port(config.host)})
         self.config = config
-        self.workdir = workdir
+        self.workdir = workdir = workdir.absolute()
         workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = workdir / "engine.yaml"
         self.config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
-        self.log_path = log_path or workdir / "engine.log"
+        self.log_path = (log_path or workdir / "engine.log").absolute()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.process: subprocess.Popen[bytes] | None = None
         self._env = {**os.environ, **env} if env else None

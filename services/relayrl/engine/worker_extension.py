@@ -26,11 +26,25 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
+INITIAL_WEIGHTS = ""
+"""What a worker holds before any load: the weights it started from (its model folder)."""
+
+
 class RelayrlWorkerExtension:
-    """Mixed into vLLM's worker: `self.model_runner.model` is the loaded model."""
+    """Mixed into vLLM's worker: `self.model_runner.model` is the loaded model.
+
+    Each worker remembers which weight-sync transfer it holds whole (`_relayrl_holds`): the
+    initial weights until a load, the transfer id after one, None while a load runs or after
+    one failed half-way (the model is then a mix). weight-sync reads it with `relayrl_ping`
+    and routes nothing to a replica until it holds the committed transfer: the engine's own
+    memory, which a restart of the engine (back to its initial weights) or of weight-sync
+    cannot get wrong."""
 
     def _relayrl_model(self) -> torch.nn.Module:
         return self.model_runner.model  # type: ignore[attr-defined]
+
+    def _relayrl_set_holds(self, holds: str | None) -> None:
+        self._relayrl_holds = holds
 
     def _relayrl_reload(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         try:
@@ -117,7 +131,9 @@ class RelayrlWorkerExtension:
                         yield name, handle.get_tensor(name)
 
         names = [name for name, _ in tensors()] if not wanted else sorted(wanted)
+        self._relayrl_set_holds(None)
         self._relayrl_reload(tensors())
+        self._relayrl_set_holds(f"file:{path}")
         return {"loaded": names}
 
     def relayrl_receive(self, request_json: str) -> dict[str, Any]:
@@ -141,7 +157,9 @@ class RelayrlWorkerExtension:
             resources=self._relayrl_data_plane_resources(request),
             engine_fp8=self._relayrl_fp8_checkpoint_format(),
         )
+        self._relayrl_set_holds(None)
         self._relayrl_reload(tensors)
+        self._relayrl_set_holds(str(request["transfer_id"]))
         return stats
 
     def _relayrl_fp8_checkpoint_format(self) -> str | None:
@@ -177,5 +195,6 @@ class RelayrlWorkerExtension:
         return {"engine": engine}
 
     def relayrl_ping(self, request_json: str = "{}") -> dict[str, Any]:
-        """Liveness of the extension itself (it is loaded, and this worker answers)."""
-        return {"ok": True}
+        """Liveness of the extension itself (it is loaded, and this worker answers) and the
+        weights it holds whole: the initial ones (""), a transfer id, or None (a mix)."""
+        return {"ok": True, "holds": getattr(self, "_relayrl_holds", INITIAL_WEIGHTS)}

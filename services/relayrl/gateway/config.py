@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from relayrl.core.config import ServiceConfig, StrictModel
+from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel
 from relayrl.tq.codec import check_partition_name
 from relayrl.tq.config import PartitionNames, TQConfig
 
@@ -61,8 +61,17 @@ class EnginesConfig(StrictModel):
     initial_weight_version: int = Field(
         0,
         ge=0,
-        description="Version label given at registration to a replica that has none yet "
-        "(vLLM starts as 'default'); weight-sync sets the real ones.",
+        description="Without weightsync: version label given at registration to a replica "
+        "that has none yet (vLLM starts as 'default'). With weightsync, weight-sync labels "
+        "every replica with the version it holds.",
+    )
+    register_interval_s: float = Field(
+        2.0,
+        gt=0.0,
+        le=600.0,
+        description="How often each healthy replica is registered with weight-sync (which "
+        "reconciles it: a replica that does not hold the committed version is loaded with it "
+        "before it is routed to). Keep it under weight-sync's engines.registration_ttl_s.",
     )
 
     @field_validator("urls")
@@ -199,6 +208,13 @@ class GatewayConfig(ServiceConfig):
     agents: AgentsConfig = Field(default_factory=AgentsConfig, description="Agent loops, tools.")
     agent_http: AgentHttpConfig = Field(
         default_factory=AgentHttpConfig, description="OpenAI-compatible endpoint for agents."
+    )
+    weightsync: GrpcClientConfig | None = Field(
+        None,
+        description="relayrl-weightsync: every healthy replica is registered with it, and a "
+        "replica is routed to only once weight-sync says it holds the committed version. "
+        "Null: a healthy replica serves at once with the weights it holds (no weight updates "
+        "reach it).",
     )
 
     @model_validator(mode="after")

@@ -1,6 +1,13 @@
 """The pool of engine replicas the gateway routes to: health checks, sticky sessions, drain,
 pause/resume across a weight-version change.
 
+With weight-sync (`gated`), a replica enters routing only when weight-sync says it holds the
+committed version: a new replica, one that comes back from being unhealthy (a restarted
+engine holds its initial weights) and one whose load failed wait in LOADING, health-checked
+and registered with weight-sync (gateway/registration.py), until a ResumeReplicas that names
+a version. So no replica ever serves weights that are not committed. Without weight-sync a
+healthy replica serves at once, with whatever weights it holds.
+
 Routing is sticky by session (a trajectory, or a black-box agent's session): the first request
 of a session picks the serving replica with the fewest requests in flight, and every later
 request goes to the same replica while it serves (its prefix cache holds the conversation). A
@@ -20,7 +27,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from relayrl.engine.client import EngineClient, EngineError, PauseMode
+from relayrl.engine.client import EngineClient, EngineError, EngineUnavailable, PauseMode
 from relayrl.gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
@@ -63,7 +70,11 @@ class ReplicaPool:
         unhealthy_after: int = 2,
         on_change: Callable[[Replica], None] | None = None,
         metrics: GatewayMetrics | None = None,
+        gated: bool = False,
     ) -> None:
+        """`gated`: a healthy replica waits in LOADING for weight-sync (see the module
+        docstring) instead of serving at once."""
+        self.gated = gated
         self.metrics = metrics or GatewayMetrics(CollectorRegistry())
         self._replicas: dict[str, Replica] = {}
         self._sessions: dict[str, Replica] = {}
@@ -113,7 +124,12 @@ class ReplicaPool:
             if replica.state is ReplicaState.UNHEALTHY:
                 with contextlib.suppress(EngineError):
                     replica.weight_version = await replica.client.weight_version()
-                self._set_state(replica, ReplicaState.SERVING, "health check passed")
+                if self.gated:  # it may hold anything: weight-sync checks its weights first
+                    self._set_state(
+                        replica, ReplicaState.LOADING, "healthy; weight-sync checks its weights"
+                    )
+                else:
+                    self._set_state(replica, ReplicaState.SERVING, "health check passed")
             return
         replica.num_failed_checks += 1
         if (
@@ -184,20 +200,30 @@ class ReplicaPool:
         return [self.get(rid) for rid in replica_ids] if replica_ids else self.replicas
 
     async def pause(self, replicas: Iterable[Replica], mode: PauseMode) -> list[Replica]:
+        """Pauses the serving (or paused) ones among `replicas`; returns them. A replica that
+        cannot be reached leaves routing as unhealthy instead of failing the others' pause:
+        it computes nothing either way, and comes back through its health check."""
         paused = []
         for replica in replicas:
             if replica.state not in (ReplicaState.SERVING, ReplicaState.PAUSED):
                 continue
-            await replica.client.pause(mode)
+            try:
+                await replica.client.pause(mode)
+            except EngineUnavailable as exc:
+                self.mark_unhealthy(replica, f"pause failed: {exc}")
+                continue
             self._paused_at.setdefault(replica.replica_id, time.monotonic())
             self._set_state(replica, ReplicaState.PAUSED, f"paused ({mode})")
             paused.append(replica)
         return paused
 
     async def resume(self, replicas: Iterable[Replica], version: str | None) -> list[Replica]:
-        """Label the new weights, drop KV computed by the old ones, route again."""
+        """Label the new weights, drop KV computed by the old ones, route again. A LOADING
+        replica is resumed only with a version: weight-sync's word that it holds it."""
         resumed = []
         for replica in replicas:
+            if replica.state is ReplicaState.LOADING and version is None:
+                continue
             if replica.state not in (ReplicaState.PAUSED, ReplicaState.LOADING):
                 continue
             if version is not None:
@@ -213,11 +239,16 @@ class ReplicaPool:
             resumed.append(replica)
         return resumed
 
-    def drain(self, replica: Replica, reason: str) -> int:
-        """Take `replica` out of routing for good (until re-added); returns its sessions."""
+    def drain(self, replica: Replica, reason: str, *, until_loaded: bool = False) -> int:
+        """Take `replica` out of routing for good (until re-added), or with `until_loaded`
+        until weight-sync resumes it at a version; returns its sessions."""
         num_sessions = len(replica.sessions)
         replica.last_error = reason
-        self._set_state(replica, ReplicaState.DRAINED, reason)
+        if until_loaded:
+            if replica.state is not ReplicaState.DRAINED:
+                self._set_state(replica, ReplicaState.LOADING, reason)
+        else:
+            self._set_state(replica, ReplicaState.DRAINED, reason)
         self._forget_sessions(replica)
         return num_sessions
 

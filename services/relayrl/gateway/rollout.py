@@ -40,6 +40,7 @@ from relayrl.gateway.tools import ToolFailure
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import ClaimedGroup, TrajectoryPut, TransferQueue
 from relayrl.tq.errors import StaleClaimError, TQError
+from relayrl.tq.queue import TQUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -353,11 +354,7 @@ class RolloutWorker:
             trajectory, failed = failed_trajectory(group, index, reason), True
         finally:
             self._pool.end_session(session_id)
-        await asyncio.to_thread(
-            self._tq.put_trajectories,
-            self.partition,
-            [TrajectoryPut(trajectory, claim.claim_id, failed=failed)],
-        )
+        await self._put(claim, TrajectoryPut(trajectory, claim.claim_id, failed=failed))
         outcome = "failed" if failed else "finished"
         self.counts[outcome] += 1
         metrics = self._pool.metrics
@@ -365,6 +362,25 @@ class RolloutWorker:
         metrics.rollout_duration.labels(partition=self.partition, outcome=outcome).observe(
             time.time() - started
         )
+
+    async def _put(self, claim: ClaimedGroup, put: TrajectoryPut) -> None:
+        """Writes a finished rollout, waiting out a Redis restart for as long as the claim's
+        lease (the put is idempotent; past the lease the claim belongs to someone else)."""
+        deadline = time.monotonic() + self._lease_s
+        delay_s = 0.5
+        while True:
+            try:
+                await asyncio.to_thread(self._tq.put_trajectories, self.partition, [put])
+                return
+            except TQUnavailableError as exc:
+                if time.monotonic() + delay_s > deadline:
+                    raise
+                logger.warning(
+                    "writing %s/%s_%d waits for the TransferQueue: %s",
+                    self.partition, claim.group.uid, put.trajectory.index, exc,
+                )  # fmt: skip
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
 
     async def _rollout(
         self, group: common_pb2.PromptGroup, index: int, session_id: str, started: float

@@ -14,19 +14,22 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
+from relayrl.core.replicas import static_replica_ids
 from relayrl.engine.client import SamplingOptions, VllmEngineClient
 from relayrl.gateway.agent_http import AgentHttpServer
 from relayrl.gateway.agents import AgentContext, build_agent_loops
 from relayrl.gateway.config import GatewayConfig
 from relayrl.gateway.discovery import EndpointSliceDiscovery
 from relayrl.gateway.metrics import GatewayMetrics
-from relayrl.gateway.replicas import ReplicaPool
+from relayrl.gateway.registration import WeightSyncRegistrar
+from relayrl.gateway.replicas import Replica, ReplicaPool
 from relayrl.gateway.rollout import LeaseSweeper, RolloutWorker, Throttle
 from relayrl.gateway.servicer import RolloutGatewayServicer
 from relayrl.gateway.sessions import AgentSessions
 from relayrl.gateway.tools import ToolTable
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from relayrl.tq.queue import DurabilityError
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +67,18 @@ class GatewayApp:
         self.loops = build_agent_loops(config.agents.loops)
         engines = config.engines
         self.metrics = GatewayMetrics(registry or CollectorRegistry())
+        self.registrar: WeightSyncRegistrar | None = None
         self.pool = ReplicaPool(
             health_interval_s=engines.health_interval_s,
             unhealthy_after=engines.unhealthy_after,
             metrics=self.metrics,
+            gated=config.weightsync is not None,
+            on_change=self._replica_changed,
         )
+        if config.weightsync is not None:
+            self.registrar = WeightSyncRegistrar(
+                self.pool, config.weightsync, engines.register_interval_s
+            )
         self.discovery = (
             EndpointSliceDiscovery(self.pool, engines.kubernetes) if engines.kubernetes else None
         )
@@ -112,6 +122,10 @@ class GatewayApp:
             self.pool, self.workers, self.sessions, agent_http_port=self.agent_http_port
         )
 
+    def _replica_changed(self, replica: Replica) -> None:
+        if self.registrar is not None:
+            self.registrar.poke(replica)
+
     def policy_step(self) -> int:
         """The trainer's step as last reported (UpdatePolicyStep), for ad-hoc agent groups."""
         return self.workers[0].throttle.policy_step if self.workers else 0
@@ -141,16 +155,19 @@ class GatewayApp:
 
     async def start(self) -> None:
         initial = str(self.config.engines.initial_weight_version)
-        for number, url in enumerate(self.config.engines.urls):
-            replica = await self.pool.add(f"engine-{number}", VllmEngineClient(url))
-            if replica.routable and not replica.weight_version.isdigit():
+        for replica_id, url in static_replica_ids(self.config.engines.urls).items():
+            replica = await self.pool.add(replica_id, VllmEngineClient(url))
+            if replica.routable and not replica.weight_version.isdigit():  # not gated
                 await replica.client.set_weight_version(initial)
                 replica.weight_version = initial
         self.pool.start_health_checks()
+        if self.registrar is not None:
+            self.registrar.start()
         if self.discovery is not None:
             self.discovery.start()
         for partition in self.config.rollout.partitions:
             await asyncio.to_thread(self.tq.create_partition, partition)
+        await asyncio.to_thread(self.tq.check_durability)  # refuse a Redis without AOF
         for worker in self.workers:
             worker.start()
         if self.sessions is not None and self.agent_http is not None:
@@ -169,6 +186,8 @@ class GatewayApp:
             await worker.close()
         if self.discovery is not None:
             await self.discovery.close()
+        if self.registrar is not None:
+            await self.registrar.close()
         await self.pool.close()
         self.tq.close()
 
@@ -206,5 +225,5 @@ async def run(config: GatewayConfig, ready_file: Path | None = None) -> None:
 
 def serve(config: GatewayConfig, ready_file: Path | None = None) -> int:
     # a taken port or a missing tokenizer folder: one line, not a traceback
-    errors = (OSError, ValueError)
+    errors = (OSError, ValueError, DurabilityError)
     return serve_process(config, "gateway", lambda: run(config, ready_file), errors)

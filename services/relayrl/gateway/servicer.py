@@ -153,7 +153,9 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
         self, request: rollout_pb2.DrainReplicaRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.DrainReplicaResponse:
         (replica,) = await self._select([request.replica_id], context)
-        moved = self._pool.drain(replica, request.reason or "drained by request")
+        moved = self._pool.drain(
+            replica, request.reason or "drained by request", until_loaded=request.until_loaded
+        )
         return rollout_pb2.DrainReplicaResponse(num_requeued=moved)
 
     async def OpenSession(

@@ -8,6 +8,7 @@ pipeline scores what it holds for `shutdown_grace_s` and closes the managers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from relayrl.reward.metrics import RewardMetrics
 from relayrl.reward.pipeline import PipelineSettings, RewardPipeline
 from relayrl.reward.servicer import RewardServicer
 from relayrl.reward.tenants import Tenants
+from relayrl.tq.queue import DurabilityError, TQUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,10 @@ class RewardApp:
             self._tq = TransferQueue.from_config(
                 self.config.tq.model_copy(update={"partitions": []})
             )
+            try:  # a Redis without AOF: refuse to start (the scorer checks again on joining)
+                await asyncio.to_thread(self._tq.check_durability)
+            except TQUnavailableError as exc:
+                logger.info("TransferQueue not reachable yet (%s): checked on joining", exc)
             self._tq_scorer = TQScorer(
                 self._tq, self.pipeline, self.config.tq_scorer, self.config.default_manager
             )
@@ -121,4 +127,5 @@ async def run(config: RewardConfig, ready_file: Path | None = None) -> None:
 
 
 def serve(config: RewardConfig, ready_file: Path | None = None) -> int:
-    return serve_process(config, "reward", lambda: run(config, ready_file))
+    errors = (OSError, DurabilityError)  # a taken port, a Redis without AOF: one line
+    return serve_process(config, "reward", lambda: run(config, ready_file), errors)

@@ -93,6 +93,8 @@ class TQScorer:
         while True:
             try:
                 await asyncio.to_thread(self._tq.create_partition, partition)
+                # a Redis without AOF is never read from (an error, retried: loud)
+                await asyncio.to_thread(self._tq.check_durability)
                 consumer = await asyncio.to_thread(
                     EventConsumer,
                     self._tq,

@@ -15,18 +15,35 @@ class EnginesSettings(StrictModel):
 
     urls: list[str] = Field(
         default_factory=list,
-        description="Engine base URLs (http://host:port), each a replica named by its URL; "
-        "replicas can also register over gRPC (RegisterEngine) or come from the gateway.",
+        description="Engine base URLs (http://host:port) driven without a gateway, named "
+        "engine-<index> in list order (as the gateway names the same list). With a gateway, "
+        "leave it empty: the gateway registers every replica it discovers (RegisterEngine).",
     )
     load_timeout_s: float = Field(
         300.0, gt=0, description="Deadline for one replica to receive and load a version."
     )
     attempts: int = Field(
-        2,
+        3,
         ge=1,
         le=10,
-        description="Tries per replica and version; a replica that fails them all is taken "
-        "out of routing (the version still commits on the others).",
+        description="Tries per replica and version; a replica that fails them all stays out "
+        "of routing until it is brought to the committed version (the version commits on "
+        "the replicas that loaded it).",
+    )
+    retry_backoff_s: float = Field(
+        2.0,
+        ge=0,
+        le=600,
+        description="Wait before the second try of a replica, doubled before each later one: "
+        "an engine that is restarting gets the time to come back.",
+    )
+    registration_ttl_s: float = Field(
+        10.0,
+        gt=0,
+        description="A replica registered over gRPC takes part in version switches while its "
+        "last registration is this recent (the gateway registers its healthy replicas every "
+        "engines.register_interval_s); a replica whose gateway stopped registering it (it is "
+        "unhealthy or gone) is not waited for.",
     )
 
 
@@ -111,6 +128,13 @@ class WeightSyncConfig(ServiceConfig):
         None,
         description="JSONL file that receives one record per finished transfer: version, "
         "state, bytes, data plane, replicas and the seconds spent at each boundary.",
+    )
+    state_dir: Path | None = Field(
+        None,
+        description="Folder (a persistent volume in a cluster) where the committed version is "
+        "kept, written before the commit is announced: a restarted weight-sync reads it back "
+        "(checksummed) and still brings new engines to it. Null: the committed version lives "
+        "in memory only, and a restarted weight-sync knows none (a warning at start).",
     )
 
     @model_validator(mode="after")

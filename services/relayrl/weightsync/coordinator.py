@@ -1,6 +1,7 @@
 """The weight-sync service's logic: transfers, the version switch, commit, late joiners.
 
-A version moves through the five boundaries of 003 §6.0, each with its own metric and error:
+A version moves through the five boundaries of docs/recovery.md (and DESIGN's weight-sync
+section), each with its own metric and error:
 
     export     trainer ranks export HF-named tensors (bf16, or FP8 + scales) -- sender side
     transport  senders push buckets (checksummed) to this service, which keeps them in host
@@ -11,16 +12,24 @@ A version moves through the five boundaries of 003 §6.0, each with its own metr
                (torch_distributed) or writes them (mooncake) to all workers at once -- and the
                worker extension checks each bucket's sha256 and loads the tensors through
                vLLM's load path
-    restore    prefix cache reset, weight version set, replicas resumed
+    restore    the version is committed (written to `state_dir` first), then the replicas
+               that loaded it get their prefix cache reset, the version label and are resumed
 
-A version is committed only when every live replica has loaded it. A replica that fails to
-load (after `engines.attempts` tries) is taken out of routing and marked not live, so the
-gateway never serves a half-loaded model nor routes to a replica at an old version after the
-switch. With a broadcast data plane one attempt serves every replica, so a replica that dies
-mid-transfer fails the attempt for all: the next attempt goes to the replicas that still
-answer, and the dead one is dropped once its attempts are spent. The committed version's
-buckets stay in host memory: a replica that registers later (a new or restarted engine) gets
-it at once, without involving the trainer.
+Replicas. Each one has the id the gateway gives it (a pod name, or engine-<index> for a
+configured URL list: relayrl.core.replicas). The gateway registers every healthy replica
+every few seconds; a registration is also a reconciliation: under the switch lock, the
+replica's workers are asked which weights they hold whole (`relayrl_ping`), and a replica
+that does not hold the committed transfer is loaded with it before the gateway may route to
+it (ResumeReplicas with the committed version is the only way a replica enters routing). A
+new engine, a restarted one, one that failed a load half-way and one that a restarted gateway
+finds all go through the same path.
+
+Commit. A version commits when every live replica has loaded it, or has spent its attempts
+(with a backoff that gives a restarting engine time to come back) and is then left out of
+routing until a reconciliation loads it. The exception is a version that every replica that
+answered refused: it fails, and the previous version stays committed. The committed version
+stays in host memory and in `state_dir`, so that late joiners get it without the trainer,
+also after a restart of this service.
 """
 
 from __future__ import annotations
@@ -37,11 +46,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relayrl.core.replicas import static_replica_ids
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.metrics import WeightSyncMetrics
 from relayrl.weightsync.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
+from relayrl.weightsync.state import CommittedStore, StoredVersion
 from relayrl.weightsync.transports.base import TransportSpec
 
 TRANSPORT_TYPES = {
@@ -54,6 +65,19 @@ logger = logging.getLogger(__name__)
 
 _PING_TIMEOUT_S = 10.0
 _ANSWER_AFTER_FAILURE_S = 10.0
+_MAX_RECONCILE_BACKOFF_S = 30.0
+
+INITIAL_WEIGHTS = ""
+"""What a worker holds before any load (relayrl.engine.worker_extension): the weights it
+started from, which are the trainer's version 0."""
+LOADED, REFUSED, UNREACHABLE = "loaded", "refused", "unreachable"
+"""How a replica ended a version: it holds it; it answers but could not load it; it is gone."""
+
+
+def loading_label(version: int) -> str:
+    """The engine's weight-version label while a version loads: not a version, so nothing
+    that reads the label (spans, evaluation, an operator) takes a half-loaded model for one."""
+    return f"loading-{version}"
 
 
 class SyncError(Exception):
@@ -140,11 +164,28 @@ class Transfer:
 
 @dataclass
 class EngineEntry:
+    """One replica as weight-sync knows it."""
+
     replica_id: str
     url: str
-    version: int = 0
-    live: bool = True
+    source: str = "config"  # or "registered" (by the gateway, or anyone, over gRPC)
+    version: int = 0  # the version it last held whole
+    # The transfer it holds whole ("": its initial weights); None: unknown, or a half-loaded mix
+    holds: str | None = None
+    # It spent its attempts on a version: out of switches until a reconciliation loads it.
+    failed: bool = False
     last_error: str = ""
+    registered_at: float = field(default_factory=time.monotonic)
+    routed: bool = False  # the gateway routes to it (as of its last registration)
+    reconciling: bool = False
+    num_failed_reconciles: int = 0
+    reconcile_after: float = 0.0
+
+    def live(self, now: float, ttl_s: float) -> bool:
+        """Whether a version switch includes it."""
+        if self.failed:
+            return False
+        return self.source == "config" or now - self.registered_at <= ttl_s
 
 
 # The engine-side calls the coordinator makes; `VllmEngineClient` in production, anything with
@@ -171,11 +212,47 @@ class Coordinator:
         self.transfers: dict[str, Transfer] = {}
         self.by_version: dict[int, Transfer] = {}
         self.committed: Transfer | None = None
+        self._store = CommittedStore(config.state_dir) if config.state_dir else None
         self._switch_lock = asyncio.Lock()
         self._mooncake: Any = None  # the Mooncake engine, started on first use
         self._tasks: set[asyncio.Task[Any]] = set()
-        for url in config.engines.urls:
-            self.engines[url] = EngineEntry(url, url)
+        for replica_id, url in static_replica_ids(config.engines.urls).items():
+            self.engines[replica_id] = EngineEntry(replica_id, url)
+        if self._store is not None:
+            stored = self._store.load()  # StateError (one line) when unusable
+            if stored is not None:
+                self._restore(stored)
+        else:
+            logger.warning(
+                "no state_dir: the committed version lives in memory only, and a restarted "
+                "weight-sync cannot bring new engines to it until the trainer publishes again"
+            )
+
+    def _restore(self, stored: StoredVersion) -> None:
+        transfer = Transfer(
+            transfer_id=stored.transfer_id,
+            version=stored.version,
+            trainer_step=stored.trainer_step,
+            metas=stored.metas,
+            manifest=manifest_digest(stored.metas),
+            layouts=stored.layouts,
+            plan_digest=stored.plan_digest,
+            buckets=list(stored.buckets),
+            sha256=stored.sha256,
+            state=pb.TRANSFER_STATE_COMMITTED,
+        )
+        transfer.complete.set()
+        transfer.done.set()
+        self.transfers[transfer.transfer_id] = transfer
+        self.by_version[transfer.version] = transfer
+        self.committed = transfer
+        self._metrics.committed_version.set(transfer.version)
+
+    def start(self) -> None:
+        """Reconciles the configured replicas (nobody registers them): after a restart, each
+        is brought to the committed version it may have missed."""
+        for entry in self.engines.values():
+            self._schedule_reconcile(entry)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -183,33 +260,106 @@ class Coordinator:
     def committed_version(self) -> int:
         return self.committed.version if self.committed else 0
 
-    def register_engine(self, replica_id: str, url: str, current_version: int) -> bool:
-        """Adds (or refreshes) a replica; returns whether it must pull the committed version,
-        which then starts at once in the background."""
-        entry = self.engines.get(replica_id)
-        if entry is None:
-            entry = self.engines[replica_id] = EngineEntry(replica_id, url)
-        entry.url, entry.version, entry.live = url, current_version, True
-        needs_pull = self.committed is not None and current_version != self.committed.version
-        if needs_pull:
-            assert self.committed is not None
-            self._spawn(self._catch_up(entry, self.committed))
-        self._metrics.replica_version.labels(replica_id).set(current_version)
-        return needs_pull
+    @property
+    def committed_id(self) -> str:
+        """The transfer every serving replica holds ("" before the first commit)."""
+        return self.committed.transfer_id if self.committed else INITIAL_WEIGHTS
 
-    async def _catch_up(self, entry: EngineEntry, transfer: Transfer) -> None:
-        async with self._switch_lock:  # not while a switch moves the replicas to a newer one
-            if self.committed is not None:
-                transfer = self.committed
-            if entry.version == transfer.version:
-                return
-            (ok,) = await self._load_replicas([entry], transfer, restore=True)
+    def live_entries(self) -> list[EngineEntry]:
+        now, ttl = time.monotonic(), self._config.engines.registration_ttl_s
+        return [e for e in self.engines.values() if e.live(now, ttl)]
+
+    def register_engine(
+        self, replica_id: str, url: str, current_version: int, *, routed: bool = False
+    ) -> bool:
+        """Adds or refreshes a replica and reconciles it in the background (see the module
+        docstring); returns whether it is known not to hold the committed version."""
+        entry = self.engines.get(replica_id)
+        if entry is None or entry.url != url:
+            if entry is not None:
+                logger.info("replica %s moved from %s to %s", replica_id, entry.url, url)
+            entry = self.engines[replica_id] = EngineEntry(
+                replica_id, url, source="registered", version=current_version
+            )
+        entry.registered_at = time.monotonic()
+        entry.routed = routed
+        self._schedule_reconcile(entry)
+        self._metrics.replica_version.labels(replica_id).set(entry.version)
+        return entry.failed or entry.holds != self.committed_id
+
+    def _schedule_reconcile(self, entry: EngineEntry) -> None:
+        if entry.reconciling or time.monotonic() < entry.reconcile_after:
+            return
+        entry.reconciling = True
+        self._spawn(self._reconcile(entry))
+
+    async def _reconcile(self, entry: EngineEntry) -> None:
+        """Under the switch lock: learn what the replica holds; bring it to the committed
+        version if it does not hold it; tell the gateway it may route to it."""
+        try:
+            async with self._switch_lock:
+                ok = await self._reconcile_locked(entry)
+        except Exception as exc:  # a background task: log it, retry on the next registration
+            logger.warning("reconciling replica %s failed: %s", entry.replica_id, exc)
+            ok = False
+        finally:
+            entry.reconciling = False
+        if ok:
+            entry.num_failed_reconciles, entry.reconcile_after = 0, 0.0
+        else:
+            entry.num_failed_reconciles += 1
+            delay = self._config.engines.retry_backoff_s * 2 ** (entry.num_failed_reconciles - 1)
+            entry.reconcile_after = time.monotonic() + min(delay, _MAX_RECONCILE_BACKOFF_S)
+
+    async def _reconcile_locked(self, entry: EngineEntry) -> bool:
+        holds = await self._holds(entry)
+        if holds == UNREACHABLE:
+            entry.last_error = "unreachable"
+            return False
+        target = self.committed
+        if holds == self.committed_id:
+            entry.holds, entry.version, entry.failed = holds, self.committed_version, False
+            self._metrics.replica_version.labels(entry.replica_id).set(entry.version)
+            if not entry.routed:
+                await self._resume([entry.replica_id], self.committed_version)
+            return True
+        entry.holds = holds
+        if target is None:
+            logger.warning(
+                "replica %s holds weights (%s) this service has no record of and nothing is "
+                "committed: it stays out of routing until the trainer publishes a version",
+                entry.replica_id, holds,
+            )  # fmt: skip
+            return False
         logger.info(
-            "late joiner %s %s version %d",
-            entry.replica_id,
-            "reached" if ok else "failed",
-            transfer.version,
+            "replica %s holds %s, not the committed version %d (%s): loading it",
+            entry.replica_id, holds or "its initial weights", target.version, target.transfer_id,
+        )  # fmt: skip
+        if self._gateway is not None and entry.routed:
+            await self._gateway.pause(self._config.pause_mode, [entry.replica_id])
+        outcomes = await self._load_replicas(
+            [entry], target, restore=self._gateway is None, pause_engine={entry.replica_id}
         )
+        if outcomes[entry.replica_id] != LOADED:
+            return False
+        logger.info("late joiner %s reached version %d", entry.replica_id, target.version)
+        await self._resume([entry.replica_id], target.version)
+        return True
+
+    async def _holds(self, entry: EngineEntry) -> str | None:
+        """What the replica's workers hold whole (one answer for all of them, or None for a
+        mix); UNREACHABLE when they do not answer."""
+        client = self._engine_factory(
+            entry.url, min(_PING_TIMEOUT_S, self._config.engines.load_timeout_s)
+        )
+        try:
+            answers = await client.worker_rpc("relayrl_ping", {})
+        except Exception:
+            return UNREACHABLE
+        finally:
+            await client.close()
+        held = {a.get("holds") if isinstance(a, dict) else None for a in answers or [None]}
+        return held.pop() if len(held) == 1 else None
 
     # -- publish and push -----------------------------------------------------------------
 
@@ -364,36 +514,66 @@ class Coordinator:
     # -- the switch -----------------------------------------------------------------------
 
     async def _switch(self, transfer: Transfer) -> None:
-        async with self._switch_lock:  # one version switch at a time
-            live = [e for e in self.engines.values() if e.live]
+        async with self._switch_lock:  # one version switch (or reconciliation) at a time
+            live = self.live_entries()
             transfer.replica_ids = [e.replica_id for e in live]
             transfer.state = pb.TRANSFER_STATE_LOADING
             start = time.monotonic()
             try:
-                await self._pause()
+                paused = await self._pause()
             except Exception as exc:
                 self._fail(transfer, SyncError("switch", f"pausing rollout failed: {exc}"))
                 return
             try:
-                results = await self._load_replicas(live, transfer, restore=self._gateway is None)
-                transfer.replica_ids = [
-                    e.replica_id for e, ok in zip(live, results, strict=True) if ok
-                ]
-                if not transfer.replica_ids and live:
-                    raise SyncError("load", f"no replica loaded version {transfer.version}")
-                await self._resume(transfer.version)
+                # Replicas the gateway did not pause (not routed to: joining, or after a
+                # failed load) are paused at the engine, so none computes during its load.
+                unpaused = {e.replica_id for e in live} - set(paused)
+                outcomes = await self._load_replicas(
+                    live, transfer, restore=self._gateway is None, pause_engine=unpaused
+                )
+                loaded = [e.replica_id for e in live if outcomes[e.replica_id] == LOADED]
+                refused = [e.replica_id for e in live if outcomes[e.replica_id] == REFUSED]
+                transfer.replica_ids = loaded
+                if refused and not loaded:
+                    raise SyncError(
+                        "load",
+                        f"no replica loaded version {transfer.version} "
+                        f"({', '.join(refused)} answered but could not load it)",
+                    )
+                await self._commit(transfer)
             except SyncError as exc:
                 self._fail(transfer, exc)
-                await self._resume(None)
-                return
-            except Exception as exc:
-                self._fail(transfer, SyncError("restore", str(exc)))
+                # Replicas that tried hold a mix now; those that still hold the committed
+                # version (none tried: every live one did) go back to routing.
+                good = [e.replica_id for e in live if e.holds == self.committed_id]
+                await self._resume(good, self.committed_version)
                 return
             finally:
                 self._observe(transfer, "pause_window", time.monotonic() - start)
-            self._commit(transfer)
+            await self._resume(loaded, transfer.version)
 
-    def _commit(self, transfer: Transfer) -> None:
+    async def _commit(self, transfer: Transfer) -> None:
+        """Keeps the version in state_dir (before anyone is told), then makes it the one
+        late joiners get; SyncError('restore') when it cannot be kept."""
+        if self._store is not None:
+            start = time.monotonic()
+            try:
+                await asyncio.to_thread(
+                    self._store.save,
+                    version=transfer.version,
+                    trainer_step=transfer.trainer_step,
+                    transfer_id=transfer.transfer_id,
+                    metas=transfer.metas,
+                    plan=self.plan_proto(transfer),
+                    buckets=[b for b in transfer.buckets if b is not None],
+                    sha256=transfer.sha256,
+                )
+            except OSError as exc:
+                raise SyncError(
+                    "restore",
+                    f"cannot keep version {transfer.version} in {self._store.directory}: {exc}",
+                ) from exc
+            self._observe(transfer, "restore", time.monotonic() - start)
         previous = self.committed
         transfer.state = pb.TRANSFER_STATE_COMMITTED
         self.committed = transfer
@@ -405,75 +585,123 @@ class Coordinator:
         self._log_transfer(transfer, "committed")
         logger.info("version %d committed on %s", transfer.version, transfer.replica_ids)
 
-    async def _pause(self) -> None:
-        if self._gateway is not None:
-            await self._gateway.pause(self._config.pause_mode)
+    async def _pause(self) -> list[str]:
+        """The gateway pauses the replicas it routes to; which ones it paused."""
+        if self._gateway is None:
+            return []
+        return list(await self._gateway.pause(self._config.pause_mode))
 
-    async def _resume(self, version: int | None) -> None:
-        if self._gateway is not None:
-            await self._gateway.resume(version)
+    async def _resume(self, replica_ids: Sequence[str], version: int) -> None:
+        """The gateway routes to `replica_ids` again, labelled `version` (a replica it no
+        longer knows is skipped). A failure is logged: the replica stays out of routing, and
+        its next registration reconciles it."""
+        if self._gateway is None:
+            return
+        for replica_id in replica_ids:
+            try:
+                if await self._gateway.resume(replica_id, version):
+                    self.engines[replica_id].routed = True
+            except Exception as exc:
+                logger.warning(
+                    "could not resume replica %s at version %d: %s", replica_id, version, exc
+                )
 
     async def _load_replicas(
-        self, entries: list[EngineEntry], transfer: Transfer, *, restore: bool
-    ) -> list[bool]:
-        """Load `transfer` into `entries` over the configured data plane, with retries; a
-        replica that spends its attempts leaves routing. Whether each one loaded it."""
+        self,
+        entries: list[EngineEntry],
+        transfer: Transfer,
+        *,
+        restore: bool,
+        pause_engine: set[str],
+    ) -> dict[str, str]:
+        """Load `transfer` into `entries` over the configured data plane, with retries; the
+        outcome of each replica (LOADED, REFUSED, UNREACHABLE)."""
         if self._config.data_plane.transport == "grpc":
-            return list(
-                await asyncio.gather(
-                    *(self._load_replica(e, transfer, restore=restore) for e in entries)
+            outcomes = await asyncio.gather(
+                *(
+                    self._load_replica(
+                        e, transfer, restore=restore, pause_engine=e.replica_id in pause_engine
+                    )
+                    for e in entries
                 )
             )
-        return await self._broadcast_to(entries, transfer, restore=restore)
+            return {e.replica_id: o for e, o in zip(entries, outcomes, strict=True)}
+        return await self._broadcast_to(
+            entries, transfer, restore=restore, pause_engine=pause_engine
+        )
 
-    async def _load_replica(self, entry: EngineEntry, transfer: Transfer, *, restore: bool) -> bool:
+    def _retry_delay_s(self, attempt: int) -> float:
+        """The wait before try `attempt` (2, 3, ...) of a replica."""
+        return self._config.engines.retry_backoff_s * 2 ** (attempt - 2)
+
+    async def _load_replica(
+        self, entry: EngineEntry, transfer: Transfer, *, restore: bool, pause_engine: bool
+    ) -> str:
         """gRPC data plane: the replica's workers pull the buckets; its own retries."""
         settings = self._config.engines
         client = self._engine_factory(entry.url, settings.load_timeout_s)
         try:
             for attempt in range(1, settings.attempts + 1):
+                if attempt > 1:
+                    await asyncio.sleep(self._retry_delay_s(attempt))
                 try:
-                    await self._receive(client, entry, transfer, {}, restore=restore)
+                    await self._receive(
+                        client, entry, transfer, {}, restore=restore, pause_engine=pause_engine
+                    )
                     self._loaded(entry, transfer)
-                    return True
+                    return LOADED
                 except Exception as exc:
                     self._attempt_failed(entry, transfer, attempt, exc)
-            await self._drop(entry)
-            return False
+            return await self._give_up(entry)
         finally:
             await client.close()
 
     async def _broadcast_to(
-        self, entries: list[EngineEntry], transfer: Transfer, *, restore: bool
-    ) -> list[bool]:
+        self,
+        entries: list[EngineEntry],
+        transfer: Transfer,
+        *,
+        restore: bool,
+        pause_engine: set[str],
+    ) -> dict[str, str]:
         """Broadcast data plane: one attempt sends every bucket once to every worker of the
         pending replicas; the replicas that failed it (a peer's death fails everyone's) go
         again, until they load or spend their attempts."""
         attempts = {e.replica_id: 0 for e in entries}
-        loaded: set[str] = set()
+        outcomes: dict[str, str] = {}
         pending = list(entries)
         round_ = 0
         while pending:
             round_ += 1
-            errors = await self._broadcast_once(pending, transfer, round_, restore=restore)
+            if round_ > 1:
+                await asyncio.sleep(self._retry_delay_s(round_))
+            errors = await self._broadcast_once(
+                pending, transfer, round_, restore=restore, pause_engine=pause_engine
+            )
             retry = []
             for entry in pending:
                 error = errors.get(entry.replica_id)
                 if error is None:
                     self._loaded(entry, transfer)
-                    loaded.add(entry.replica_id)
+                    outcomes[entry.replica_id] = LOADED
                     continue
                 attempts[entry.replica_id] += 1
                 self._attempt_failed(entry, transfer, attempts[entry.replica_id], error)
                 if attempts[entry.replica_id] < self._config.engines.attempts:
                     retry.append(entry)
                 else:
-                    await self._drop(entry)
+                    outcomes[entry.replica_id] = await self._give_up(entry)
             pending = retry
-        return [e.replica_id in loaded for e in entries]
+        return outcomes
 
     async def _broadcast_once(
-        self, entries: list[EngineEntry], transfer: Transfer, round_: int, *, restore: bool
+        self,
+        entries: list[EngineEntry],
+        transfer: Transfer,
+        round_: int,
+        *,
+        restore: bool,
+        pause_engine: set[str],
     ) -> dict[str, Exception]:
         """One attempt: count each replica's workers, give them consecutive receiver ranks,
         send from a thread while every replica receives. The replicas that failed, and why."""
@@ -508,7 +736,14 @@ class Coordinator:
                 client = clients[entry.replica_id]
                 receiving.append(
                     asyncio.ensure_future(
-                        self._receive(client, entry, transfer, extra, restore=restore)
+                        self._receive(
+                            client,
+                            entry,
+                            transfer,
+                            extra,
+                            restore=restore,
+                            pause_engine=entry.replica_id in pause_engine,
+                        )
                     )
                 )
             start = time.monotonic()
@@ -614,10 +849,13 @@ class Coordinator:
         extra: dict[str, Any],
         *,
         restore: bool,
+        pause_engine: bool = False,
     ) -> None:
         """One replica receives and loads `transfer` (`extra`: the data plane's part of the
-        request) and every worker's checksums are checked. With `restore` (no gateway drives
-        the switch, or a late joiner) the replica is paused around it and restored here."""
+        request) and every worker's checksums are checked. The replica is paused at the
+        engine first with `restore` (no gateway drives the switch) or `pause_engine` (the
+        gateway did not pause it); with `restore` it is also restored here. While it loads
+        its label says so (`loading_label`): a half-loaded model never carries a version."""
         start = time.monotonic()
         request = {
             "transport": "grpc",
@@ -628,8 +866,10 @@ class Coordinator:
             "timeout_s": self._config.engines.load_timeout_s,
             **extra,
         }
-        if restore:  # nobody else paused it: no generation may see a half-loaded model
+        if restore or pause_engine:
             await client.pause(self._config.pause_mode)
+        entry.holds = None  # from here until it answers, the replica may hold a mix
+        await client.set_weight_version(loading_label(transfer.version))
         answers = await client.worker_rpc("relayrl_receive", request)
         for answer in answers:
             if answer.get("bucket_sha256") != transfer.sha256:
@@ -643,7 +883,8 @@ class Coordinator:
             self._observe(transfer, "restore", time.monotonic() - start)
 
     def _loaded(self, entry: EngineEntry, transfer: Transfer) -> None:
-        entry.version, entry.last_error = transfer.version, ""
+        entry.version, entry.holds, entry.last_error = transfer.version, transfer.transfer_id, ""
+        entry.failed = False
         self._metrics.replica_version.labels(entry.replica_id).set(transfer.version)
 
     def _attempt_failed(
@@ -658,11 +899,23 @@ class Coordinator:
             entry.last_error,
         )  # fmt: skip
 
-    async def _drop(self, entry: EngineEntry) -> None:
-        """Out of routing: the replica spent its attempts."""
-        entry.live = False
+    async def _give_up(self, entry: EngineEntry) -> str:
+        """The replica spent its attempts: out of switches (and of routing: the gateway is
+        never told to resume it) until a reconciliation loads a whole version into it.
+        Whether it still answers tells a refusal from a death."""
+        entry.failed, entry.holds, entry.routed = True, None, False
         if self._gateway is not None:
-            await self._gateway.drain(entry.replica_id, entry.last_error)
+            try:
+                await self._gateway.hold(entry.replica_id, entry.last_error or "load failed")
+            except Exception as exc:  # it is paused at the engine and never resumed by us
+                logger.warning("could not hold replica %s: %s", entry.replica_id, exc)
+        answers = await self._holds(entry)
+        outcome = UNREACHABLE if answers == UNREACHABLE else REFUSED
+        logger.warning(
+            "replica %s is out of routing until it is reloaded (%s: %s)",
+            entry.replica_id, outcome, entry.last_error,
+        )  # fmt: skip
+        return outcome
 
     # -- bookkeeping ----------------------------------------------------------------------
 

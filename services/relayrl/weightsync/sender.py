@@ -220,6 +220,14 @@ class WeightSyncSender:
             if time.monotonic() - called < min(wait_s, COMMIT_POLL_S):
                 time.sleep(COMMIT_POLL_S)  # a service older than wait_for_final_s: poll
 
+    def committed_version(self) -> int:
+        """The version weight-sync has committed (0: none yet); grpc.RpcError when it does
+        not answer."""
+        from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+
+        reply = self._stub.GetVersion(pb.GetVersionRequest(), timeout=min(self._timeout_s, 30))
+        return int(reply.committed.version)
+
     def close(self) -> None:
         self._channel.close()
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry
 
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
@@ -14,6 +16,7 @@ from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator
 from relayrl.weightsync.metrics import WeightSyncMetrics
 from relayrl.weightsync.servicer import WeightSyncServicer
+from relayrl.weightsync.state import StateError
 
 logger = logging.getLogger(__name__)
 
@@ -21,41 +24,61 @@ SERVICE_FULL_NAME = "relayrl.proto.weightsync.v1.WeightSync"
 
 
 class GatewayControl:
-    """The switch's calls to the rollout-gateway (pause, resume at a version, drain). Each
-    waits for the gateway within its deadline (`wait_for_ready`): a gateway that is restarting
-    delays a switch by seconds instead of failing the version."""
+    """weight-sync's calls to the rollout-gateway: pause the replicas it routes to, and route
+    to a replica again once it holds a version. Each waits for a restarting gateway within
+    its deadline (`wait_for_ready`); a gateway that stays away fails the call."""
 
     def __init__(self, config: Any) -> None:
         from relayrl.core.grpc_client import channel_from_config
         from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
         self._pb = rollout_pb2
+        self._timeout_s = config.default_timeout_s
         self._channel = channel_from_config(config)
         self._stub = rollout_pb2_grpc.RolloutGatewayStub(self._channel)
 
-    async def pause(self, mode: str) -> None:
+    async def pause(self, mode: str, replica_ids: Sequence[str] = ()) -> list[str]:
+        """Pauses `replica_ids` (all when empty); the ids the gateway paused."""
         modes = {
             "abort": self._pb.PAUSE_MODE_ABORT,
             "keep": self._pb.PAUSE_MODE_KEEP,
             "wait": self._pb.PAUSE_MODE_WAIT,
         }
-        await self._stub.PauseReplicas(
-            self._pb.PauseReplicasRequest(mode=modes[mode]), wait_for_ready=True
-        )
-
-    async def resume(self, version: int | None) -> None:
-        from relayrl.proto.common.v1 import common_pb2
-
-        request = self._pb.ResumeReplicasRequest()
-        if version is not None:  # labels the version and resets the prefix cache
-            request.version.CopyFrom(common_pb2.WeightVersion(version=version))
-        await self._stub.ResumeReplicas(request, wait_for_ready=True)
-
-    async def drain(self, replica_id: str, reason: str) -> None:
-        await self._stub.DrainReplica(
-            self._pb.DrainReplicaRequest(replica_id=replica_id, reason=reason[:500]),
+        reply = await self._stub.PauseReplicas(
+            self._pb.PauseReplicasRequest(mode=modes[mode], replica_ids=list(replica_ids)),
+            timeout=self._timeout_s,
             wait_for_ready=True,
         )
+        return list(reply.paused_replica_ids)
+
+    async def resume(self, replica_id: str, version: int) -> bool:
+        """Routes to `replica_id` again, labelled `version` (its prefix cache reset); False
+        when the gateway does not know the replica (it left, or the gateway restarted and has
+        not discovered it yet: it registers it again then)."""
+        from relayrl.proto.common.v1 import common_pb2
+
+        request = self._pb.ResumeReplicasRequest(
+            replica_ids=[replica_id], version=common_pb2.WeightVersion(version=version)
+        )
+        try:
+            await self._stub.ResumeReplicas(request, timeout=self._timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def hold(self, replica_id: str, reason: str) -> None:
+        """Keeps `replica_id` out of routing until a resume names a version (its model may be
+        a mix of two versions); a replica the gateway does not know is not an error."""
+        request = self._pb.DrainReplicaRequest(
+            replica_id=replica_id, reason=reason[:500], until_loaded=True
+        )
+        try:
+            await self._stub.DrainReplica(request, timeout=self._timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
 
     async def close(self) -> None:
         await self._channel.close()
@@ -118,8 +141,9 @@ async def run(config: WeightSyncConfig, ready_file: Path | None = None) -> None:
             "weight-sync ready: gRPC %s, metrics port %s, engines %s",
             service.address,
             service.metrics_port,
-            ", ".join(config.engines.urls) or "(none yet)",
+            ", ".join(config.engines.urls) or "(registered by the gateway)",
         )
+        app.coordinator.start()  # needs the bound port: engines pull from it
         if ready_file is not None:
             write_ready_file(ready_file, service)
 
@@ -131,4 +155,6 @@ async def run(config: WeightSyncConfig, ready_file: Path | None = None) -> None:
 
 
 def serve(config: WeightSyncConfig, ready_file: Path | None = None) -> int:
-    return serve_process(config, "weightsync", lambda: run(config, ready_file))
+    # a taken port, or a state_dir that cannot be used: one line, not a traceback
+    errors = (OSError, StateError)
+    return serve_process(config, "weightsync", lambda: run(config, ready_file), errors)

@@ -56,7 +56,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                 "give replica_id and the engine's base url (http://host:port)",
             )
         needs_pull = self._c.register_engine(
-            request.replica_id, request.url, request.current_version
+            request.replica_id, request.url, request.current_version, routed=request.routed
         )
         return pb.RegisterEngineResponse(committed=_version(self._c), needs_pull=needs_pull)
 
@@ -197,11 +197,14 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             pb.TRANSFER_STATE_LOADING,
         )
         in_progress = next((t for t in self._c.transfers.values() if t.state in active), None)
+        live = {e.replica_id for e in self._c.live_entries()}
         return pb.GetVersionResponse(
             committed=_version(self._c),
             in_progress=self._c.plan_proto(in_progress) if in_progress else None,
             replicas=[
-                pb.ReplicaVersion(replica_id=e.replica_id, version=e.version, live=e.live)
+                pb.ReplicaVersion(
+                    replica_id=e.replica_id, version=e.version, live=e.replica_id in live
+                )
                 for e in self._c.engines.values()
             ],
         )

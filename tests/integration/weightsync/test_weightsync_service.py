@@ -273,8 +273,8 @@ def test_a_dead_replica_is_dropped_and_the_others_commit(
         result = sender.publish(1, 1, weights.items())
         sender.wait_committed(result.transfer_id, 180)
         replicas = {r.replica_id: r for r in version_of(service).replicas}
-        assert replicas[engine.url].version == 1 and replicas[engine.url].live
-        assert not replicas[doomed.url].live and replicas[doomed.url].version == 0
+        assert replicas["engine-0"].version == 1 and replicas["engine-0"].live
+        assert not replicas["engine-1"].live and replicas["engine-1"].version == 0
         assert "load" in service.log()  # the failure names its boundary
         sender.close()
     doomed.stop()
@@ -337,8 +337,8 @@ def test_a_replica_killed_mid_broadcast_is_dropped_and_the_other_loads_the_whole
             # The death fails the broadcast at once, not at the data plane's 120 s deadline.
             assert time.monotonic() - start < 90
             replicas = {r.replica_id: r for r in version_of(service).replicas}
-            assert replicas[engine.url].version == 1 and replicas[engine.url].live
-            assert not replicas[doomed.url].live and replicas[doomed.url].version == 0
+            assert replicas["engine-0"].version == 1 and replicas["engine-0"].live
+            assert not replicas["engine-1"].live and replicas["engine-1"].version == 0
             assert "attempt 1/2" in service.log()
             sender.close()
         # The survivor holds the whole new version, not a mix of the failed attempt and it.

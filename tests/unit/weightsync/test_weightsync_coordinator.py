@@ -1,96 +1,162 @@
 """The coordinator's decisions with the engines and the data plane played in-process: retries
-and drops over a broadcast data plane, superseding versions. The real engines, service and
-data planes are in tests/integration/weightsync."""
+with a backoff, what commits and what fails, late joiners reconciled, the committed version
+read back after a restart. The gateway side is the real ReplicaPool (gated, as in a
+deployment) behind the same three calls weight-sync makes, so an id the gateway does not
+know, or a resume the pool would refuse, behaves as it would in production. The real
+engines, service and data planes are in tests/integration/weightsync."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from relayrl.engine.client import EngineUnavailable
+from relayrl.gateway.replicas import ReplicaPool, ReplicaState
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator, SyncError
 from relayrl.weightsync.metrics import WeightSyncMetrics
+from relayrl.weightsync.state import CommittedStore, StateError
 from relayrl.weightsync.transports.base import TransportError, TransportSpec
 
 METAS = [common_pb2.TensorMeta(name="w", shape=[64], dtype=common_pb2.DTYPE_BFLOAT16)]
+DATA = bytes(range(128))
 
 
-class Replica:
-    """An engine as the coordinator sees it: answers, or fails, per call."""
+class Engine:
+    """An engine as weight-sync and the gateway see it: answers, or fails, per call; its one
+    worker remembers what it holds as the real worker extension does."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.dead = False
+        self.refuse = False  # answers, but every load fails
         self.fail_receive_rounds: set[int] = set()
+        self.holds: str | None = ""
+        self.label = "default"
         self.receives: list[dict[str, Any]] = []
         self.calls: list[str] = []
 
-    def client(self, url: str, timeout_s: float) -> Client:
-        assert url == self.url
+    def client(self, url: str = "", timeout_s: float = 0.0) -> Client:
         return Client(self)
 
 
 class Client:
-    def __init__(self, replica: Replica) -> None:
-        self.replica = replica
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.base_url = engine.url
+
+    def _alive(self) -> None:
+        if self.engine.dead:
+            raise EngineUnavailable(f"{self.engine.url} is gone")
 
     async def worker_rpc(self, method: str, payload: dict[str, Any]) -> list[Any]:
-        if self.replica.dead:
-            raise ConnectionRefusedError(f"{self.replica.url} is gone")
+        self._alive()
         if method == "relayrl_ping":
-            return [{"ok": True}]
-        self.replica.receives.append(payload)
-        spec = TransportSpec.from_json(payload["spec"])
-        round_ = int(spec.transfer_id.rsplit("-", 1)[1])
-        if round_ in self.replica.fail_receive_rounds:
-            raise TransportError("a peer aborted", transfer_id=spec.transfer_id)
-        return [{"bucket_sha256": payload["bucket_sha256"]}]
+            return [{"ok": True, "holds": self.engine.holds}]
+        self.engine.receives.append(payload)
+        self.engine.holds = None
+        if self.engine.refuse:
+            raise EngineUnavailable("load_weights failed: shape mismatch")
+        if "spec" in payload:
+            spec = TransportSpec.from_json(payload["spec"])
+            round_ = int(spec.transfer_id.rsplit("-", 1)[1])
+            if round_ in self.engine.fail_receive_rounds:
+                raise TransportError("a peer aborted", transfer_id=spec.transfer_id)
+        self.engine.holds = payload["transfer_id"]
+        sha256 = payload.get("bucket_sha256") or [hashlib.sha256(DATA).hexdigest()]
+        return [{"bucket_sha256": sha256}]
+
+    async def health(self) -> bool:
+        return not self.engine.dead
+
+    async def weight_version(self) -> str:
+        self._alive()
+        return self.engine.label
 
     async def pause(self, mode: str) -> None:
-        self.replica.calls.append(f"pause:{mode}")
+        self._alive()
+        self.engine.calls.append(f"pause:{mode}")
 
     async def reset_prefix_cache(self) -> None:
-        self.replica.calls.append("reset")
+        self._alive()
+        self.engine.calls.append("reset")
 
     async def set_weight_version(self, version: str) -> None:
-        self.replica.calls.append(f"version:{version}")
+        self._alive()
+        self.engine.label = version
+        self.engine.calls.append(f"version:{version}")
 
     async def resume(self) -> None:
-        self.replica.calls.append("resume")
+        self._alive()
+        self.engine.calls.append("resume")
 
     async def close(self) -> None:
         pass
 
 
-class Gateway:
-    def __init__(self) -> None:
-        self.drained: list[str] = []
+class PoolGateway:
+    """weight-sync's GatewayControl calls, answered by a real gated ReplicaPool."""
 
-    async def pause(self, mode: str) -> None:
-        pass
+    def __init__(self, engines: dict[str, Engine]) -> None:
+        self.pool = ReplicaPool(gated=True)
+        self.engines = engines
 
-    async def resume(self, version: int | None) -> None:
-        pass
+    async def join(self) -> None:
+        for replica_id, engine in self.engines.items():
+            await self.pool.add(replica_id, engine.client())
 
-    async def drain(self, replica_id: str, reason: str) -> None:
-        self.drained.append(replica_id)
+    def state(self, replica_id: str) -> ReplicaState:
+        return self.pool.get(replica_id).state
+
+    async def pause(self, mode: str, replica_ids: Any = ()) -> list[str]:
+        replicas = self.pool.select(list(replica_ids))  # KeyError: NOT_FOUND, as the servicer
+        return [r.replica_id for r in await self.pool.pause(replicas, mode)]  # type: ignore[arg-type]
+
+    async def resume(self, replica_id: str, version: int) -> bool:
+        try:
+            replicas = self.pool.select([replica_id])
+        except KeyError:
+            return False
+        await self.pool.resume(replicas, str(version))
+        return True
+
+    async def hold(self, replica_id: str, reason: str) -> None:
+        try:
+            (replica,) = self.pool.select([replica_id])
+        except KeyError:
+            return
+        self.pool.drain(replica, reason, until_loaded=True)
 
 
-def coordinator(replicas: list[Replica], gateway: Gateway | None = None) -> Coordinator:
+def coordinator(
+    engines: dict[str, Engine],
+    gateway: PoolGateway | None = None,
+    *,
+    transport: str = "torch_distributed",
+    state_dir: Path | None = None,
+    static: bool = True,
+    backoff_s: float = 0.0,
+) -> Coordinator:
     config = WeightSyncConfig.model_validate(
         {
             "bucket_size_bytes": 4096,
-            "engines": {"urls": [r.url for r in replicas], "attempts": 2},
-            "data_plane": {"transport": "torch_distributed", "rendezvous_port": 29999},
+            "engines": {
+                "urls": [e.url for e in engines.values()] if static else [],
+                "attempts": 2,
+                "retry_backoff_s": backoff_s,
+            },
+            "data_plane": {"transport": transport, "rendezvous_port": 29999},
+            "state_dir": str(state_dir) if state_dir else None,
         }
     )
-    by_url = {r.url: r for r in replicas}
+    by_url = {e.url: e for e in engines.values()}
     return Coordinator(
         config,
         WeightSyncMetrics(CollectorRegistry()),
@@ -102,17 +168,29 @@ def coordinator(replicas: list[Replica], gateway: Gateway | None = None) -> Coor
 
 async def publish_and_wait(c: Coordinator, version: int, **kwargs: Any) -> Any:
     transfer = c.publish(version, version, METAS, **kwargs)
-    data = bytes(range(128))
-    c.put_bucket(transfer.transfer_id, 0, data, hashlib.sha256(data).hexdigest())
+    c.put_bucket(transfer.transfer_id, 0, DATA, hashlib.sha256(DATA).hexdigest())
     await asyncio.wait_for(transfer.done.wait(), 10)
     return transfer
 
 
-def test_a_replica_that_dies_mid_broadcast_is_dropped_and_the_others_retry(
+async def settle(c: Coordinator) -> None:
+    """Until no reconciliation runs."""
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if not any(e.reconciling for e in c.engines.values()):
+            return
+    raise AssertionError("a reconciliation did not finish")
+
+
+def no_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Coordinator, "_send_buckets", lambda self, spec, transfer: None)
+
+
+def test_a_replica_that_dies_mid_broadcast_is_held_and_the_others_commit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    survivor, doomed = Replica("http://a"), Replica("http://b")
-    gateway = Gateway()
+    survivor, doomed = Engine("http://a"), Engine("http://b")
+    engines = {"engine-0": survivor, "engine-1": doomed}
     sent: list[TransportSpec] = []
 
     def send(self: Coordinator, spec: TransportSpec, transfer: Any) -> None:
@@ -122,52 +200,62 @@ def test_a_replica_that_dies_mid_broadcast_is_dropped_and_the_others_retry(
             raise TransportError("connection reset", transfer_id=spec.transfer_id)
 
     monkeypatch.setattr(Coordinator, "_send_buckets", send)
-    survivor.fail_receive_rounds = {1}  # the sender's failure reaches it
+    survivor.fail_receive_rounds = {1}  # the sender's failure reaches every receiver
     doomed.fail_receive_rounds = {1}
 
     async def main() -> Any:
-        c = coordinator([survivor, doomed], gateway)
+        gateway = PoolGateway(engines)
+        await gateway.join()
+        c = coordinator(engines, gateway)
         try:
+            await gateway.resume("engine-0", 0)  # both serve their initial weights
+            await gateway.resume("engine-1", 0)
             transfer = await publish_and_wait(c, 1)
-            return c, transfer
+            return c, gateway, transfer
         finally:
             await c.close()
 
-    c, transfer = asyncio.run(main())
+    c, gateway, transfer = asyncio.run(main())
     assert transfer.state == pb.TRANSFER_STATE_COMMITTED
-    assert transfer.replica_ids == ["http://a"]  # only the replica that holds it
+    assert transfer.replica_ids == ["engine-0"]  # only the replica that holds it
     assert [spec.num_receivers for spec in sent] == [2, 1]  # the retry goes to the living
     assert all(spec.rendezvous == "127.0.0.1:29999" and spec.num_senders == 1 for spec in sent)
     assert [p["receiver_rank_base"] for p in survivor.receives] == [0, 0]
-    assert c.engines["http://a"].version == 1 and c.engines["http://a"].live
-    assert not c.engines["http://b"].live and c.engines["http://b"].version == 0
-    assert gateway.drained == ["http://b"]
+    assert c.engines["engine-0"].version == 1
+    assert c.engines["engine-0"].holds == transfer.transfer_id
+    assert c.engines["engine-1"].failed and c.engines["engine-1"].holds is None
+    assert gateway.state("engine-0") is ReplicaState.SERVING
+    assert gateway.pool.get("engine-0").weight_version == "1"
+    # out of routing until it is reloaded: not drained for good, not resumable without a version
+    assert gateway.state("engine-1") is ReplicaState.LOADING
 
 
 def test_without_a_gateway_a_replica_is_paused_around_its_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    replica = Replica("http://a")
-    monkeypatch.setattr(Coordinator, "_send_buckets", lambda self, spec, transfer: None)
+    engine = Engine("http://a")
+    no_send(monkeypatch)
 
     async def main() -> None:
-        c = coordinator([replica])
+        c = coordinator({"engine-0": engine})
         try:
             await publish_and_wait(c, 1)
         finally:
             await c.close()
 
     asyncio.run(main())
-    assert replica.calls == ["pause:keep", "reset", "version:1", "resume"]
+    assert engine.calls == ["pause:keep", "version:loading-1", "reset", "version:1", "resume"]
 
 
-def test_a_failing_replica_stays_paused_and_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    replica = Replica("http://a")
-    replica.fail_receive_rounds = {1, 2}
-    monkeypatch.setattr(Coordinator, "_send_buckets", lambda self, spec, transfer: None)
+def test_a_version_every_replica_refuses_fails_and_the_replica_is_never_resumed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine("http://a")
+    engine.refuse = True
+    no_send(monkeypatch)
 
     async def main() -> Any:
-        c = coordinator([replica])
+        c = coordinator({"engine-0": engine}, transport="grpc")
         try:
             return await publish_and_wait(c, 1)
         finally:
@@ -176,17 +264,174 @@ def test_a_failing_replica_stays_paused_and_is_dropped(monkeypatch: pytest.Monke
     transfer = asyncio.run(main())
     assert transfer.state == pb.TRANSFER_STATE_FAILED
     assert transfer.error.startswith("load: no replica loaded version 1")
-    assert "resume" not in replica.calls  # never serves what it half loaded
+    assert "engine-0 answered but could not load it" in transfer.error
+    assert "resume" not in engine.calls  # never serves what it half loaded
+    assert engine.label == "loading-1"  # and its own label says it holds no version
+
+
+def test_a_version_commits_while_its_only_engine_restarts_and_the_engine_is_loaded_on_return(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine("http://a")
+    no_send(monkeypatch)
+
+    async def main() -> tuple[Any, ...]:
+        gateway = PoolGateway({"engine-0": engine})
+        await gateway.join()
+        c = coordinator({"engine-0": engine}, gateway, transport="grpc", static=False)
+        try:
+            c.register_engine("engine-0", engine.url, 0)
+            await settle(c)
+            assert gateway.state("engine-0") is ReplicaState.SERVING  # initial weights: v0
+            engine.dead = True  # killed: every attempt finds it gone
+            transfer = await publish_and_wait(c, 1)
+            held = gateway.state("engine-0")
+            engine.dead, engine.holds, engine.label = False, "", "default"  # back, from disk
+            c.register_engine("engine-0", engine.url, 0, routed=False)
+            await settle(c)
+            return transfer, held, c.engines["engine-0"]
+        finally:
+            await c.close()
+
+    transfer, held, entry = asyncio.run(main())
+    assert transfer.state == pb.TRANSFER_STATE_COMMITTED and transfer.replica_ids == []
+    assert held is ReplicaState.LOADING
+    assert entry.holds == transfer.transfer_id and entry.version == 1 and not entry.failed
+    assert engine.label == "1" and engine.calls[-2:] == ["reset", "resume"]
+
+
+def test_a_registered_replica_that_holds_the_committed_version_is_resumed_without_a_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine("http://a")
+    no_send(monkeypatch)
+
+    async def main() -> tuple[Any, ...]:
+        first = PoolGateway({"engine-0": engine})
+        await first.join()
+        c = coordinator({"engine-0": engine}, first, transport="grpc", static=False)
+        try:
+            c.register_engine("engine-0", engine.url, 0)
+            await settle(c)
+            transfer = await publish_and_wait(c, 1)
+            loads = len(engine.receives)
+            # the gateway restarts: its replicas start out of routing, and register again
+            second = PoolGateway({"engine-0": engine})
+            await second.join()
+            c._gateway = second
+            before = second.state("engine-0")
+            c.register_engine("engine-0", engine.url, 1, routed=False)
+            await settle(c)
+            return transfer, loads, before, second.state("engine-0")
+        finally:
+            await c.close()
+
+    _, loads, before, after = asyncio.run(main())
+    assert loads == 1 and len(engine.receives) == 1  # confirmed from what the engine holds
+    assert before is ReplicaState.LOADING and after is ReplicaState.SERVING
+
+
+def test_a_replica_down_for_its_first_try_loads_on_a_later_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine("http://a")
+    no_send(monkeypatch)
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        engine.dead = False  # it came back during the backoff
+        await real_sleep(0)
+
+    monkeypatch.setattr("relayrl.weightsync.coordinator.asyncio.sleep", sleep)
+
+    async def main() -> Any:
+        c = coordinator({"engine-0": engine}, transport="grpc", backoff_s=3.0)
+        try:
+            engine.dead = True
+            return await publish_and_wait(c, 1)
+        finally:
+            await c.close()
+
+    transfer = asyncio.run(main())
+    assert transfer.state == pb.TRANSFER_STATE_COMMITTED and transfer.replica_ids == ["engine-0"]
+    assert waits == [3.0]
+
+
+def test_a_restarted_coordinator_reads_the_committed_version_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    kept, fresh = Engine("http://a"), Engine("http://b")
+    engines = {"engine-0": kept, "engine-1": fresh}
+    no_send(monkeypatch)
+
+    async def main() -> tuple[Any, ...]:
+        c = coordinator({"engine-0": kept}, transport="grpc", state_dir=tmp_path)
+        try:
+            transfer = await publish_and_wait(c, 3)
+        finally:
+            await c.close()
+        restarted = coordinator(engines, transport="grpc", state_dir=tmp_path, static=False)
+        try:
+            restarted.register_engine("engine-0", kept.url, 3)
+            restarted.register_engine("engine-1", fresh.url, 0)
+            await settle(restarted)
+            return transfer, restarted
+        finally:
+            await restarted.close()
+
+    transfer, restarted = asyncio.run(main())
+    assert restarted.committed is not None
+    assert (restarted.committed_version, restarted.committed_id) == (3, transfer.transfer_id)
+    assert restarted.committed.buckets == [DATA]
+    assert len(kept.receives) == 1  # it holds the committed transfer: nothing to load
+    assert fresh.holds == transfer.transfer_id  # loaded from the state read back
+    assert restarted.engines["engine-1"].version == 3
+
+
+def test_a_damaged_state_dir_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    store = CommittedStore(tmp_path)
+    plan = pb.BucketPlan(
+        buckets=[
+            pb.Bucket(
+                index=0,
+                size_bytes=len(DATA),
+                tensors=[
+                    common_pb2.TensorMeta(
+                        name="w",
+                        shape=[64],
+                        dtype=common_pb2.DTYPE_BFLOAT16,
+                        size_bytes=128,
+                        total_bytes=128,
+                    )
+                ],
+            )
+        ]
+    )
+    store.save(
+        version=2,
+        trainer_step=2,
+        transfer_id="v2-abc",
+        metas=METAS,
+        plan=plan,
+        buckets=[DATA],
+        sha256=[hashlib.sha256(DATA).hexdigest()],
+    )
+    assert store.load() is not None and store.load().buckets == [DATA]  # type: ignore[union-attr]
+    (tmp_path / "v2-v2-abc" / "bucket-00000.bin").write_bytes(b"x" * 128)
+    with pytest.raises(StateError, match=r"bucket 0 fails its checksum; move .* away"):
+        store.load()
 
 
 def test_versions_go_forward_unless_a_resumed_trainer_supersedes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    replica = Replica("http://a")
-    monkeypatch.setattr(Coordinator, "_send_buckets", lambda self, spec, transfer: None)
+    engine = Engine("http://a")
+    no_send(monkeypatch)
 
     async def main() -> Coordinator:
-        c = coordinator([replica])
+        c = coordinator({"engine-0": engine})
         try:
             await publish_and_wait(c, 3)
             with pytest.raises(ValueError, match="publishes its weights with supersede"):
@@ -197,7 +442,7 @@ def test_versions_go_forward_unless_a_resumed_trainer_supersedes(
             await c.close()
 
     c = asyncio.run(main())
-    assert c.committed_version == 2 and c.engines["http://a"].version == 2
+    assert c.committed_version == 2 and c.engines["engine-0"].version == 2
 
 
 def test_a_sync_error_names_its_boundary() -> None:
