@@ -91,8 +91,11 @@ bench-e2e: setup ## the main job in sync vs separate_async (eta 1): trajectories
 bench-pipeline: setup ## the real services vs `relayrl sim` on one pipeline: sync, partial eta=1, eta=2 (engine emulated)
 	$(BIN)/python bench/pipeline_bench.py
 
-run: setup ## set up and run the main job on the embedded default
-	$(BIN)/relayrl up
+# Flags for `make run`, e.g. make run UP_ARGS="--steps 20 --mode sync" (none: every default).
+UP_ARGS ?=
+
+run: setup ## set up and run the main job on the embedded default (flags: UP_ARGS="...")
+	$(BIN)/relayrl up $(UP_ARGS)
 
 lock: ## re-resolve the `direct` dependency group into the `lock` group of pyproject.toml
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv

@@ -38,7 +38,7 @@ from relayrl.up.prepare import (
     write_task_files,
 )
 from relayrl.up.progress import Progress
-from relayrl.up.stack import ORDER, Event, Stack
+from relayrl.up.stack import ORDER, ChildStartError, Event, Stack
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,12 @@ class Run:
             self.say(f"relayrl up: {exc}: stopping")
             self._shutdown("stopped")
             return EXIT_INTERRUPTED
+        except ChildStartError as exc:  # one line: the child's log has the rest
+            self.say(f"relayrl up: {exc}")
+            if self.stack is not None:
+                self.stack.stop(say=lambda line: None)
+            self._update_state(state="failed", error=str(exc))
+            return EXIT_FAILED
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, signal.SIG_DFL)

@@ -11,8 +11,11 @@ Supervision: a child that exits when nobody asked it to is started again after a
 - reward-service, gateway: stateless; the TransferQueue holds their work (unacknowledged
   events are redelivered, claims expire after their lease and are claimed again);
 - trainer: resumes from its last checkpoint; the groups consumed after it go back to scored;
-- engine: loads the warm start from disk and registers with weight-sync, which sends it the
-  committed version before it serves again;
+- engine: loads the warm start from disk; the gateway sees it healthy again and registers
+  it with weight-sync, which loads the committed version into it before the gateway routes
+  to it again (docs/recovery.md);
+- weight-sync: reads the committed version back from its state_dir; the gateway registers
+  the replicas with it again within seconds;
 - redis-server: replays its AOF.
 The trainer's exit 0 means the run is complete; it is not restarted.
 """
@@ -20,7 +23,6 @@ The trainer's exit 0 means the run is complete; it is not restarted.
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
 import json
 import logging
@@ -45,6 +47,41 @@ SERVICES = ("reward", "gateway", "weightsync", "trainer")
 ORDER = ("redis", "reward", "engine-0", "gateway", "weightsync", "trainer")
 NAMESPACE = "relayrl"
 PARTITION = "train"
+
+
+class ChildStartError(Exception):
+    """A child that did not come up: what the user reads is one line naming the child, why,
+    and its log (the log holds the details)."""
+
+    def __init__(self, child: str, reason: str, log_path: Path) -> None:
+        super().__init__(f"{child} failed to start ({reason}); see {log_path}")
+        self.child, self.reason, self.log_path = child, reason, log_path
+
+
+def last_log_message(path: Path, max_chars: int = 300) -> str:
+    """The last line of a child's log as a person would quote it: the `message` of a JSON log
+    record, else the line itself; "" when the log is empty or unreadable."""
+    try:
+        with path.open("rb") as log:
+            log.seek(0, 2)
+            log.seek(max(0, log.tell() - 16384))
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        line = line.strip()
+        if not line:
+            continue
+        with contextlib.suppress(ValueError, AttributeError):
+            line = str(json.loads(line).get("message", line))
+        return line[:max_chars]
+    return ""
+
+
+def start_failure_reason(exc: BaseException) -> str:
+    """`exc` from a child's start() in a few words (its first line: the rest is the log)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return first.rstrip(":")
 
 
 class Child(abc.ABC):
@@ -73,6 +110,10 @@ class Child(abc.ABC):
     @property
     @abc.abstractmethod
     def pid(self) -> int | None: ...
+
+    @property
+    @abc.abstractmethod
+    def log_path(self) -> Path: ...
 
     def describe(self) -> dict[str, Any]:
         return {"pid": self.pid, "restarts": self.restarts}
@@ -103,6 +144,10 @@ class RedisChild(Child):
     @property
     def pid(self) -> int | None:
         return self.server.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.server.log_path
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": self.server.url}
@@ -136,6 +181,10 @@ class ServiceChild(Child):
         p = self.process.process
         return None if p is None else p.pid
 
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
     def describe(self) -> dict[str, Any]:
         grpc, metrics = self.config["grpc"], self.config["metrics"]
         return {
@@ -146,13 +195,10 @@ class ServiceChild(Child):
 
 
 class EngineChild(Child):
-    def __init__(
-        self, name: str, config: EngineConfig, workdir: Path, log: Path, on_restart: Callable
-    ) -> None:
+    def __init__(self, name: str, config: EngineConfig, workdir: Path, log: Path) -> None:
         self.name = name
         self.config, self.workdir, self.log = config, workdir, log
         self.process: EngineProcess | None = None
-        self._on_restart = on_restart
 
     @property
     def url(self) -> str:
@@ -161,8 +207,6 @@ class EngineChild(Child):
     def start(self, timeout_s: float) -> None:
         self.process = EngineProcess(self.config, self.workdir, log_path=self.log)
         self.process.start(timeout_s=timeout_s)
-        if self.restarts:
-            self._on_restart(self)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.alive()
@@ -183,6 +227,10 @@ class EngineChild(Child):
     @property
     def pid(self) -> int | None:
         return None if self.process is None or self.process.process is None else self.process.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.log
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "url": self.url}
@@ -290,14 +338,17 @@ class Stack:
                 "claimer": "gateway-0",
             },
             "agent_http": {"enabled": True, "port": self.ports.agent_http},
+            "weightsync": {"target": self.target("weightsync"), "default_timeout_s": 30},
         }
         weightsync = {
             **self._base("weightsync"),
             "bucket_size_bytes": 4 * 1024 * 1024,
-            "engines": {"urls": [self.engine_url], "load_timeout_s": 120},
+            # no engine list: the gateway registers the replicas it routes to
+            "engines": {"load_timeout_s": 120},
             "data_plane": {"transport": c.weightsync.transport, "timeout_s": 60},
             "gateway": {"target": self.target("gateway"), "default_timeout_s": 30},
             "metrics_log": str(d / "weightsync" / "transfers.jsonl"),
+            "state_dir": str(d / "weightsync" / "state"),
         }
         trainer = {
             **self._base("trainer"),
@@ -368,22 +419,59 @@ class Stack:
                 name, f"relayrl-{name}", configs[name], d / "services" / name, logs / f"{name}.log"
             )
         self.children["engine-0"] = EngineChild(
-            "engine-0", self.engine_config(), d / "services" / "engine-0",
-            logs / "engine-0.log", self._engine_restarted,
-        )  # fmt: skip
+            "engine-0", self.engine_config(), d / "services" / "engine-0", logs / "engine-0.log"
+        )
 
     def start(self, names: tuple[str, ...] = ORDER, say: Callable[[str], None] = print) -> None:
-        """Starts `names` in order (each ready before the next) and writes stack.json."""
+        """Starts `names` in order (each ready before the next) and writes stack.json; a child
+        that does not come up raises ChildStartError."""
         if not self.children:
             self.build()
         timeout_s = self.config.supervision.start_timeout_s
         for name in names:
             child = self.children[name]
             started = time.monotonic()
-            child.start(timeout_s)
+            try:
+                child.start(timeout_s)
+            except Exception as exc:
+                self.write_state()  # what did start is stopped by PID from here
+                reason = start_failure_reason(exc)
+                detail = last_log_message(child.log_path)
+                if detail and detail not in reason:
+                    reason = f"{reason}: {detail}"
+                raise ChildStartError(name, reason, child.log_path) from exc
             self._record(Event(time.time(), name, "started", f"pid {child.pid}"))
             say(f"  {name:<11} ready in {time.monotonic() - started:5.1f} s (pid {child.pid})")
+            if name == "weightsync":  # the engines serve once weight-sync vouches for them
+                self.wait_for_routing(timeout_s)
         self.write_state()
+
+    def wait_for_routing(self, timeout_s: float) -> None:
+        """Until the gateway routes to every engine (weight-sync confirmed its weights);
+        ChildStartError naming the engine otherwise."""
+        import grpc
+
+        from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+        engines = [n for n, c in self.children.items() if isinstance(c, EngineChild)]
+        deadline = time.monotonic() + timeout_s
+        states: dict[str, int] = {}
+        with grpc.insecure_channel(self.target("gateway")) as channel:
+            stub = rollout_pb2_grpc.RolloutGatewayStub(channel)
+            while time.monotonic() < deadline:
+                with contextlib.suppress(grpc.RpcError):
+                    reply = stub.ListReplicas(rollout_pb2.ListReplicasRequest(), timeout=5)
+                    states = {r.replica_id: r.state for r in reply.replicas}
+                if all(states.get(n) == rollout_pb2.REPLICA_STATE_SERVING for n in engines):
+                    return
+                time.sleep(0.2)
+        waiting = [n for n in engines if states.get(n) != rollout_pb2.REPLICA_STATE_SERVING]
+        named = {n: rollout_pb2.ReplicaState.Name(states.get(n, 0)) for n in waiting}
+        raise ChildStartError(
+            waiting[0],
+            f"not routed to {timeout_s:.0f} s after weight-sync started ({named})",
+            self.children["weightsync"].log_path,
+        )
 
     def write_state(self) -> None:
         state = {
@@ -498,21 +586,3 @@ class Stack:
             except (urllib.error.URLError, OSError) as exc:
                 problems[name] = str(exc)
         return problems
-
-    def _engine_restarted(self, engine: EngineChild) -> None:
-        """A restarted engine holds the warm start: weight-sync sends it the committed
-        version (paused until loaded) before it is routed to again."""
-        asyncio.run(_register_engine(self.target("weightsync"), engine.url))
-
-
-async def _register_engine(target: str, url: str) -> None:
-    import grpc
-
-    from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-    from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
-
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = weightsync_pb2_grpc.WeightSyncStub(channel)
-        await stub.RegisterEngine(
-            pb.RegisterEngineRequest(replica_id=url, url=url, current_version=0), timeout=30
-        )
