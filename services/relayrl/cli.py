@@ -2,6 +2,7 @@
 
     relayrl up                    run the whole system locally and train (the main job)
     relayrl status [RUN_DIR]      the state of a run's stack (health, versions, queue)
+    relayrl audit RUN_DIR         a stopped run: nothing lost or trained twice, no stale weights
     relayrl tq counts             prompt groups and trajectories by status, per partition
     relayrl tq events PARTITION   the last transitions of a partition
     relayrl tq redrive PARTITION  put dead letters back into the event stream
@@ -130,6 +131,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     for line in status_lines(run_dir):
         print(line)
     return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    import json
+
+    from relayrl.up.audit import audit_run
+
+    run_dir = args.run_dir
+    if not (run_dir / "redis").is_dir():
+        raise ValueError(f"{run_dir} is not a relayrl run (no redis/ folder)")
+    if _run_alive(run_dir):
+        raise ValueError(f"{run_dir} is running now: stop it first (its Redis is in use)")
+    report = audit_run(run_dir)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        for name in ("trained_twice", "lost", "stale_served"):
+            for line in getattr(report, name)[: args.max_lines]:
+                print(f"{name}: {line}")
+        print(report.summary())
+    return 0 if report.ok else 1
 
 
 def cmd_tq_counts(args: argparse.Namespace) -> int:
@@ -290,6 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir", type=Path, nargs="?", help="runs/<id> (default: the latest)")
     status.add_argument("--runs-dir", type=Path, default=Path("runs"), help="default runs/")
     status.set_defaults(func=cmd_status)
+
+    audit = sub.add_parser(
+        "audit",
+        help="check a stopped run: no group lost or trained twice, no stale weights served",
+    )
+    audit.add_argument("run_dir", type=Path, help="runs/<id>")
+    audit.add_argument("--json", action="store_true", help="the whole report as JSON")
+    audit.add_argument("--max-lines", type=int, default=20, help="violations shown per kind")
+    audit.set_defaults(func=cmd_audit)
 
     tq = sub.add_parser("tq", help="inspect the TransferQueue")
     tq.add_argument("--url", default="redis://127.0.0.1:6379/0", help="Redis URL")

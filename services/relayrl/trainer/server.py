@@ -299,6 +299,7 @@ def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
             metrics = TrainerMetrics(
                 registry, config.metrics_log, config.algorithm.staleness_threshold
             )
+
             def open_queue() -> TransferQueue:
                 queue = TransferQueue.from_config(config.tq)
                 queue.check_durability()  # DurabilityError: refuse to start (one line)

@@ -233,6 +233,9 @@ class Run:
     def _evaluate(self, kind: str, step: int) -> EvalRecord | None:
         assert self.evaluator is not None and self.stack is not None
         try:
+            # The evaluation talks to the engine itself: only once the gateway would route to
+            # it (it holds the committed version), not while it restarts or loads.
+            self.stack.wait_for_routing(self.config.supervision.start_timeout_s)
             record = self.evaluator.run(self.stack.engine_url, kind, step)
         except Exception as exc:  # an engine restarting: the next evaluation will tell
             if isinstance(exc, ExceptionGroup):

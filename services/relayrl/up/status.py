@@ -103,7 +103,8 @@ def status_lines(run_dir: Path) -> list[str]:
         lines.append(
             "weights:  "
             + "; ".join(
-                f"{rid} v{v}{'' if live else ' (drained)'}" for rid, (v, live) in versions.items()
+                f"{rid} v{v}{'' if live else ' (out of routing)'}"
+                for rid, (v, live) in versions.items()
             )
         )
     lines += _queue_lines(stack)

@@ -20,6 +20,7 @@ from up_helpers import (
     deep_update,
     processes_of,
     relayrl,
+    repository_copy,
     stack_state,
     steps_logged,
     wait_for_steps,
@@ -51,9 +52,13 @@ def sample_value(text: str, name: str) -> float | None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])
-def test_a_short_run_in_each_mode(runs_dir: Path, mode: str) -> None:
+def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> None:
     steps = SHORT_RUN["train"]["steps"]
-    up = UpProcess.start(runs_dir, SHORT_RUN, "--mode", mode)
+    if mode == "sync":  # as a newcomer starts it: `make run` in the repository, runs/ relative
+        repo = repository_copy(tmp_path / "repo")
+        up = UpProcess.make_run(repo, SHORT_RUN, "--mode", mode)
+    else:
+        up = UpProcess.start(runs_dir, SHORT_RUN, "--mode", mode)
     try:
         assert up.wait(900) == 0, up.output()
         run_dir = up.run_dir
@@ -61,6 +66,9 @@ def test_a_short_run_in_each_mode(runs_dir: Path, mode: str) -> None:
     finally:
         up.stop()
     assert f"trained arith for {steps} steps in {mode}" in output, output
+    if mode == "sync":
+        assert run_dir.parent == repo / "runs" and (repo / "runs" / "cache").is_dir()
+        assert "Traceback" not in output
 
     # weight versions advanced on the engine: every step committed, in order, and the final
     # evaluation found the engine at the last version
@@ -126,7 +134,7 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     for name in ("redis ok", "reward SERVING", "gateway SERVING", "weightsync SERVING"):
         assert name in lines, lines
     assert "trainer SERVING (step" in lines and "engine-0 ok" in lines, lines
-    assert re.search(r"weights:  http://127\.0\.0\.1:\d+ v\d+", lines), lines
+    assert re.search(r"weights:  engine-0 v\d+", lines), lines
     assert re.search(r"queue:    groups .*consumed=\d+", lines), lines
     assert "held-out: " in lines, lines
     assert "resume with: relayrl up --resume" in up.output()
@@ -147,3 +155,23 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     # the resumed trainer republished its checkpoint's weights before going on
     assert "republished version" in (run_dir / "logs" / "trainer.log").read_text()
     assert processes_of(run_dir) == []
+
+
+@pytest.mark.timeout(600)
+def test_a_child_that_fails_to_start_ends_the_run_with_one_line(runs_dir: Path) -> None:
+    # the reward-service refuses this config at start-up (an unknown field)
+    config = deep_update(SHORT_RUN, {"services": {"reward": {"no_such_field": 1}}})
+    up = UpProcess.start(runs_dir, config)
+    try:
+        code = up.wait(300)
+        run_dir = up.run_dir
+    finally:
+        up.stop()
+    output = up.output()
+    assert code == 1, output
+    assert "Traceback" not in output, output
+    (line,) = [x for x in output.splitlines() if "failed to start" in x]
+    assert line.startswith("relayrl up: reward failed to start (relayrl-reward exited "), line
+    assert "no_such_field" in line and line.endswith(f"see {run_dir / 'logs' / 'reward.log'}")
+    assert processes_of(run_dir) == []
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"

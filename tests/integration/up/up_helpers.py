@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,6 +85,21 @@ class UpProcess:
         return cls(process, runs_dir, log_path)
 
     @classmethod
+    def make_run(cls, repo: Path, config: dict[str, Any], *args: str) -> UpProcess:
+        """`make run` in `repo` (a copy of the repository root), as the README says, with the
+        config given by a relative path and the default, relative, runs folder."""
+        (repo / "short.yaml").write_text(yaml.safe_dump(config))
+        log_path = repo / "make-run.log"
+        up_args = " ".join(["--config", "short.yaml", *args])
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                ["make", "run", f"UP_ARGS={up_args}"],
+                cwd=repo, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        return cls(process, repo / "runs", log_path)
+
+    @classmethod
     def resume(cls, run_dir: Path, *args: str) -> UpProcess:
         log_path = run_dir.parent / f"resume-{time.monotonic_ns()}.log"
         with log_path.open("wb") as log:
@@ -132,6 +148,28 @@ class UpProcess:
                 kill_group(pid)
         except AssertionError:
             pass
+
+
+REPO = Path(__file__).parents[3]
+
+
+def repository_copy(destination: Path) -> Path:
+    """The repository as a fresh clone has it (tracked files, with their times) plus what
+    `make setup` built: the generated protobuf code, and the virtual environment (linked), so
+    that `make run` in the copy finds setup done and goes straight to `relayrl up`."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
+    built = [
+        p.relative_to(REPO) for p in (REPO / "services/relayrl/proto").rglob("*") if p.is_file()
+    ]
+    for relative in {*(Path(f) for f in tracked.split("\0") if f), *built}:
+        source = REPO / relative
+        if source.is_file():
+            (destination / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / relative)
+    (destination / ".venv").symlink_to(REPO / ".venv")
+    return destination
 
 
 def stack_state(run_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,282 @@
+"""`relayrl audit RUN_DIR`: what a stopped run did with every prompt group and weight version,
+checked against relayrl's three promises (docs/recovery.md):
+
+- no group trained twice: a group appears in the last record of at most one trainer step,
+  and the TransferQueue marks it consumed at exactly that step;
+- no group lost: nothing is stuck where no component will ever move it -- a running group
+  without a lease, a finished trajectory whose event no consumer group will deliver, a group
+  consumed at a step that did not train it although it had a valid member and was not stale;
+- no stale weights served: every generated span carries the weight version of the engine
+  that sampled it (the engine's own label), and that version was the committed one at some
+  moment while the trajectory ran (an engine serving its initial weights after a newer
+  version was committed, or any version that never committed, is caught here); every
+  held-out evaluation likewise ran on a committed version.
+
+The run's Redis is started again on its AOF, on a free port, for the audit (the run must be
+stopped). Groups still pending or scored when the run ended were issued ahead and are left
+over, not lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import TransferQueue
+from relayrl.tq.model import GroupStatus
+from relayrl.tq.server import RedisServer
+
+NAMESPACE, PARTITION = "relayrl", "train"
+CLOCK_SLACK_S = 1.0
+"""Tolerance between the gateway's and weight-sync's timestamps (one machine, one clock)."""
+
+
+@dataclass
+class AuditReport:
+    statuses: Counter[str] = field(default_factory=Counter)
+    num_trained: int = 0
+    trained_twice: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    stale_served: list[str] = field(default_factory=list)
+    num_spans: int = 0
+    num_infra_trajectories: int = 0
+    left_over: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.trained_twice or self.lost or self.stale_served)
+
+    def summary(self) -> str:
+        statuses = " ".join(f"{k}={v}" for k, v in sorted(self.statuses.items()))
+        return (
+            f"audit: groups {statuses}; trained={self.num_trained} "
+            f"trained_twice={len(self.trained_twice)} lost={len(self.lost)} "
+            f"stale_served={len(self.stale_served)} (of {self.num_spans} spans) "
+            f"infra_trajectories={self.num_infra_trajectories} left_over={self.left_over}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "statuses": dict(self.statuses),
+            "num_trained": self.num_trained,
+            "trained_twice": self.trained_twice,
+            "lost": self.lost,
+            "stale_served": self.stale_served,
+            "num_spans": self.num_spans,
+            "num_infra_trajectories": self.num_infra_trajectories,
+            "left_over": self.left_over,
+        }
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class CommitTimeline:
+    """Which version was committed when: version 0 (the initial weights) until the first
+    commit, then each committed version until the next commit (a resumed trainer's supersede
+    may go back to an older number)."""
+
+    def __init__(self, commits: list[tuple[float, int]]) -> None:
+        commits = sorted(commits)
+        self._times = [t for t, _ in commits]
+        self._versions = [v for _, v in commits]
+
+    @classmethod
+    def of_run(cls, run_dir: Path) -> CommitTimeline:
+        records = read_jsonl(run_dir / "weightsync" / "transfers.jsonl")
+        return cls([(r["time"], int(r["version"])) for r in records if r["state"] == "committed"])
+
+    def committed_during(self, start: float, end: float) -> set[int]:
+        """Versions that were the committed one at some moment of [start, end]."""
+        first = bisect.bisect_right(self._times, start) - 1
+        last = bisect.bisect_right(self._times, end) - 1
+        versions = {0} if first < 0 else set()
+        return versions | {self._versions[i] for i in range(max(first, 0), last + 1)}
+
+
+def audit_run(run_dir: Path) -> AuditReport:
+    """Audits a stopped run (see the module docstring)."""
+    report = AuditReport()
+    trained = _trained_by_step(run_dir, report)
+    threshold = _staleness_threshold(run_dir)
+    consumer_group = _reward_consumer_group(run_dir)
+    timeline = CommitTimeline.of_run(run_dir)
+    server = RedisServer(run_dir / "redis")
+    server.start(timeout_s=120)
+    try:
+        tq = TransferQueue(server.client(), namespace=NAMESPACE, durability="off")
+        try:
+            groups = _all_groups(tq)
+            alive_events = _undelivered_or_pending(tq, consumer_group)
+            leases = {
+                u.decode() for u in tq.redis.zrange(f"{tq.key_prefix(PARTITION)}leases", 0, -1)
+            }
+        finally:
+            tq.close()
+    finally:
+        server.stop()
+    for uid, group in groups.items():
+        status = common_pb2.GroupStatus.Name(group.group.tags.status).removeprefix("GROUP_STATUS_")
+        report.statuses[status.lower()] += 1
+        _check_group(uid, group, trained, threshold, leases, alive_events, timeline, report)
+    for uid, step in trained.items():
+        if uid not in groups:
+            report.lost.append(f"{uid}: trained at step {step} but not in the TransferQueue")
+    _check_evaluations(run_dir, timeline, report)
+    return report
+
+
+def _trained_by_step(run_dir: Path, report: AuditReport) -> dict[str, int]:
+    """uid -> the step that trained it, from the last record of every step (a step re-run
+    after a trainer restart is logged again; its last record is the one that counts)."""
+    final = {int(r["step"]): r for r in read_jsonl(run_dir / "trainer" / "steps.jsonl")}
+    trained: dict[str, int] = {}
+    for step, record in sorted(final.items()):
+        for uid in record.get("uids", []):
+            if uid in trained:
+                report.trained_twice.append(f"{uid}: trained at steps {trained[uid]} and {step}")
+            trained[uid] = step
+    report.num_trained = len(trained)
+    return trained
+
+
+def _service_config(run_dir: Path, service: str) -> dict[str, Any]:
+    path = run_dir / "services" / service / f"relayrl-{service}.yaml"
+    return yaml.safe_load(path.read_text()) if path.exists() else {}
+
+
+def _staleness_threshold(run_dir: Path) -> int:
+    from relayrl.trainer.config import TrainerConfig
+
+    config = _service_config(run_dir, "trainer")
+    return TrainerConfig.model_validate(config).algorithm.staleness_threshold if config else 1
+
+
+def _reward_consumer_group(run_dir: Path) -> str:
+    return str(
+        _service_config(run_dir, "reward").get("tq_scorer", {}).get("consumer_group", "reward")
+    )
+
+
+def _all_groups(tq: TransferQueue) -> dict[str, Any]:
+    prefix = tq.key_prefix(PARTITION)
+    uids = sorted(key.decode()[len(prefix) + 2 :] for key in tq.redis.scan_iter(f"{prefix}g:*"))
+    return {g.group.uid: g for g in tq.get_groups(PARTITION, uids)} if uids else {}
+
+
+def _undelivered_or_pending(tq: TransferQueue, group: str) -> set[str]:
+    """Keys whose trajectory-finished event the reward group will still deliver (pending, or
+    not delivered yet)."""
+    stream = f"{tq.key_prefix(PARTITION)}events"
+    info = (
+        {g["name"].decode(): g for g in tq.redis.xinfo_groups(stream)}
+        if tq.redis.exists(stream)
+        else {}
+    )
+    if group not in info:
+        return {e.key for e in tq.read_events(PARTITION, "-", 1_000_000)}  # it reads from 0
+    last = info[group]["last-delivered-id"].decode()
+    pending = {
+        p["message_id"].decode()
+        for p in tq.redis.xpending_range(stream, group, "-", "+", 1_000_000)
+    }
+    alive = set()
+    for event in tq.read_events(PARTITION, "-", 1_000_000):
+        finished = event.kind == "trajectory" and event.to_status == "finished"
+        if finished and (event.id in pending or _id_after(event.id, last)):
+            alive.add(event.key)
+    return alive
+
+
+def _id_after(a: str, b: str) -> bool:
+    a_ms, a_seq = (int(x) for x in a.split("-"))
+    b_ms, b_seq = (int(x) for x in b.split("-"))
+    return (a_ms, a_seq) > (b_ms, b_seq)
+
+
+def _check_group(
+    uid: str,
+    group: Any,
+    trained: dict[str, int],
+    threshold: int,
+    leases: set[str],
+    alive_events: set[str],
+    timeline: CommitTimeline,
+    report: AuditReport,
+) -> None:
+    tags = group.group.tags
+    status = GroupStatus(
+        common_pb2.GroupStatus.Name(tags.status).removeprefix("GROUP_STATUS_").lower()
+    )
+    valid = [
+        t
+        for t in group.trajectories
+        if t.tags.status == common_pb2.TRAJECTORY_STATUS_SCORED and not t.tags.is_infra
+    ]
+    report.num_infra_trajectories += sum(1 for t in group.trajectories if t.tags.is_infra)
+    if status is GroupStatus.CONSUMED:
+        step = tags.consumed_step
+        if uid in trained and trained[uid] != step:
+            report.trained_twice.append(
+                f"{uid}: trained at step {trained[uid]}, consumed in the queue at step {step}"
+            )
+        stale = step - tags.prompt_step + 1 > threshold
+        if uid not in trained and valid and not stale:
+            report.lost.append(f"{uid}: consumed at step {step}, never trained, had valid members")
+    elif uid in trained:
+        report.trained_twice.append(f"{uid}: trained at step {trained[uid]} but {status.value}")
+    if status is GroupStatus.RUNNING and uid not in leases:
+        report.lost.append(f"{uid}: running without a lease (nothing returns it to pending)")
+    if status is GroupStatus.FINISHED:
+        for t in group.trajectories:
+            key = f"{t.uid}_{t.index}"
+            if t.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED and key not in alive_events:
+                report.lost.append(f"{key}: finished, never scored, and no event will deliver it")
+    if status in (
+        GroupStatus.PENDING,
+        GroupStatus.SCORED,
+        GroupStatus.FINISHED,
+        GroupStatus.RUNNING,
+    ):
+        report.left_over += 1
+    for t in group.trajectories:
+        _check_spans(t, timeline, report)
+
+
+def _check_spans(t: common_pb2.Trajectory, timeline: CommitTimeline, report: AuditReport) -> None:
+    spans = [s for s in t.spans if s.generated]
+    if not spans:
+        return
+    start = t.timings.started_at.ToNanoseconds() / 1e9 - CLOCK_SLACK_S
+    end = t.timings.finished_at.ToNanoseconds() / 1e9 + CLOCK_SLACK_S
+    committed = timeline.committed_during(start, end)
+    for span in spans:
+        report.num_spans += 1
+        if span.policy_version not in committed:
+            report.stale_served.append(
+                f"{t.uid}_{t.index} tokens [{span.start}, {span.end}) on {span.replica or '?'}: "
+                f"version {span.policy_version}, committed meanwhile: {sorted(committed)}"
+            )
+
+
+def _check_evaluations(run_dir: Path, timeline: CommitTimeline, report: AuditReport) -> None:
+    for record in read_jsonl(run_dir / "eval.jsonl"):
+        end = float(record.get("time", 0.0)) + CLOCK_SLACK_S
+        start = end - float(record.get("seconds", 0.0)) - 2 * CLOCK_SLACK_S
+        committed = timeline.committed_during(start, end)
+        for key in ("version", "version_end"):
+            if key in record and int(record[key]) not in committed:
+                report.stale_served.append(
+                    f"held-out evaluation ({record.get('kind')}, step {record.get('step')}) on "
+                    f"version {record[key]}, committed meanwhile: {sorted(committed)}"
+                )

@@ -1,0 +1,82 @@
+"""Chaos on the main job, in the suite: `make bench-chaos`'s fixed schedule (bench/chaos_bench.py)
+kills every part of one `relayrl up` run while it trains -- the trainer before its first
+checkpoint, redis-server, the engine mid-generation, weight-sync mid-transfer, the trainer
+after a checkpoint, the gateway and the reward-service together -- and the run completes with
+nothing lost, nothing trained twice and no span sampled by weights that were not committed
+(`relayrl audit`). The numbers of the bench are not checked here (no timed assertions); what
+it claims to have done is."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from up_helpers import audit_queue, check_exactly_once, processes_of
+
+from relayrl.proto.common.v1 import common_pb2
+
+REPO = Path(__file__).parents[3]
+LAST_LINE = re.compile(
+    r"^chaos-bench: kills=(\d+) runs_completed=(\d+)/(\d+) lost=(\d+) trained_twice=(\d+) "
+    r"stale_served=(\d+) max_recovery_s=(\d+\.\d)$"
+)
+STEPS = 14
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(1800)
+def test_every_part_killed_during_a_run_loses_nothing_and_serves_nothing_stale(
+    tmp_path: Path,
+) -> None:
+    argv = [sys.executable, str(REPO / "bench" / "chaos_bench.py"), "--rounds", "0",
+            "--steps", str(STEPS), "--keep", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=1700, cwd=REPO)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-6000:]
+    match = LAST_LINE.match(result.stdout.strip().splitlines()[-1])
+    assert match, out[-3000:]
+    kills, completed, runs, lost, twice, stale = (int(g) for g in match.groups()[:6])
+    assert (kills, completed, runs, lost, twice, stale) == (6, 1, 1, 0, 0, 0), out[-3000:]
+
+    (record,) = json.loads((tmp_path / "chaos.json").read_text())
+    moments = {k["part"]: k["moment"] for k in record["kills"]}
+    assert moments["trainer_early"] == "before its first checkpoint"
+    assert moments["trainer"].startswith("after the checkpoint of step")
+    # the moments that hurt most were really hit (a miss would say so in its moment)
+    assert moments["engine"] == "mid-generation", moments
+    assert moments["weightsync"] == "mid-transfer", moments
+    assert record["audit"]["num_spans"] > 0
+
+    (run_dir,) = (tmp_path / "fixed").glob("r-*")
+    events = [json.loads(x) for x in (run_dir / "logs/supervisor.jsonl").read_text().splitlines()]
+    restarted = sorted(e["child"] for e in events if e["kind"] == "restarted")
+    assert restarted == sorted(
+        ["trainer", "redis", "engine-0", "weightsync", "trainer", "gateway", "reward"]
+    ), events
+    # the queue, read independently of `relayrl audit`: every trained group consumed at its
+    # step, every trained trajectory scored through the reward-service
+    audit = audit_queue(run_dir)
+    check_exactly_once(run_dir, audit)
+    scored = common_pb2.TRAJECTORY_STATUS_SCORED
+    for uid in audit.consumed_at():
+        group = audit.groups[uid]
+        valid = [t for t in group.trajectories if not t.tags.is_infra]
+        assert all(t.tags.status == scored for t in valid), uid
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    # without a checkpoint it republished the initial weights; after one, the checkpoint's
+    assert "republished version 0 (the initial weights" in trainer_log
+    assert "(the checkpoint's weights" in trainer_log
+    # the restarted engine was loaded with the committed version before it served again
+    assert "late joiner engine-0 reached version" in (run_dir / "logs/weightsync.log").read_text()
+    committed = [
+        json.loads(x)
+        for x in (run_dir / "weightsync/transfers.jsonl").read_text().splitlines()
+        if json.loads(x)["state"] == "committed"
+    ]
+    assert committed[-1]["version"] == STEPS
+    assert processes_of(run_dir) == []
