@@ -17,7 +17,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -65,7 +65,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services tests bench deploy
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -93,6 +93,9 @@ bench-pipeline: setup ## the real services vs `relayrl sim` on one pipeline: syn
 
 # Flags for `make run`, e.g. make run UP_ARGS="--steps 20 --mode sync" (none: every default).
 UP_ARGS ?=
+
+bench-chaos: setup ## kill every part of short relayrl up runs (fixed + random schedules) and audit them
+	$(BIN)/python bench/chaos_bench.py
 
 run: setup ## set up and run the main job on the embedded default (flags: UP_ARGS="...")
 	$(BIN)/relayrl up $(UP_ARGS)

@@ -675,8 +675,29 @@ class ChartSmoke:
         return out
 
     def _depend(self, plan: ContainerPlan, target: Pod) -> None:
-        if target.name != plan.pod.name:
-            self.depends[plan.pod.name].add(target.name)
+        """`plan`'s pod starts after `target`'s, unless `target` already waits for it: two
+        pods that address each other start together, as Kubernetes starts them (each must
+        then wait for the other by itself)."""
+        if target.name == plan.pod.name or target.name in self.depends[plan.pod.name]:
+            return
+        if self._waits_for(target.name, plan.pod.name):
+            note = f"{plan.pod.name} and {target.name} address each other: started together"
+            if note not in self.notes:
+                self.notes.append(note)
+            return
+        self.depends[plan.pod.name].add(target.name)
+
+    def _waits_for(self, pod: str, other: str) -> bool:
+        """Whether `pod` starts only after `other` (directly or through others)."""
+        seen, todo = set(), [pod]
+        while todo:
+            current = todo.pop()
+            if current == other:
+                return True
+            if current not in seen:
+                seen.add(current)
+                todo.extend(self.depends.get(current, ()))
+        return False
 
     def _note_dependency(self, plan: ContainerPlan, target: tuple[str, Any]) -> None:
         kind, obj = target

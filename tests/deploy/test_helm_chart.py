@@ -610,7 +610,29 @@ def test_engines_are_discoverable_and_listed(rendered: dict[str, list[dict[str, 
     )
     assert svc["spec"]["clusterIP"] == "None"
     assert configs["gateway"]["engines"]["kubernetes"]["service"] == svc["metadata"]["name"]
-    assert len(configs["weightsync"]["engines"]["urls"]) == engine["spec"]["replicas"] == 2
+    assert engine["spec"]["replicas"] == 2
+    # one membership: the gateway registers what it discovers with weight-sync, which lists
+    # no engines of its own (a second list would name the same engines under other ids)
+    assert "urls" not in configs["weightsync"].get("engines", {})
+    weightsync = next(
+        d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-weightsync")
+    )
+    assert configs["gateway"]["weightsync"]["target"].startswith(
+        f"dns:///{weightsync['metadata']['name']}."
+    ), configs["gateway"]["weightsync"]
+    # and it keeps the committed version where a restarted pod finds it
+    deployment = next(
+        d
+        for d in docs
+        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-weightsync")
+    )
+    pod = deployment["spec"]["template"]["spec"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "state"]
+    assert mount["mountPath"] == configs["weightsync"]["state_dir"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "state"]
+    claim = volume["persistentVolumeClaim"]["claimName"]
+    claims = [d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert claim in claims
     role = next(d for d in docs if d["kind"] == "Role")
     assert role["rules"] == [
         {

@@ -24,7 +24,9 @@ agent_http:
   enabled: true
   host: 0.0.0.0
   port: {{ include "relayrl.port.agent" . }}
-  model_name: policy` .) }}
+  model_name: policy
+weightsync:
+  target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "weightsync") }}` .) }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" .Values.gateway.config) }}
 {{- end }}
 
@@ -52,13 +54,9 @@ agent_http:
 {{- $ctx := dict "root" . "component" "weightsync" }}
 {{- $w := .Values.weightsync }}
 {{- $base := include "relayrl.serviceBase" $ctx }}
-{{- $urls := list }}
-{{- $headless := include "relayrl.componentName" (dict "root" . "component" "engine") }}
-{{- range $i := until (int .Values.engine.replicas) }}
-{{- $urls = append $urls (printf "http://%s:%s" (include "relayrl.podHost" (dict "root" $ "component" "engine" "service" $headless "index" $i)) (include "relayrl.port.http" $)) }}
-{{- end }}
+{{- /* no engine list: the gateway registers every replica it discovers */}}
 {{- $base = printf "%s\nbucket_size_bytes: %d\nadvertise_target: %s:%s" $base (int64 $w.bucketSizeBytes) (include "relayrl.serviceHost" $ctx) (include "relayrl.port.grpc" .) }}
-{{- $base = printf "%s\nengines:\n  urls: %s" $base (toJson $urls) }}
+{{- $base = printf "%s\nstate_dir: /var/lib/relayrl/weightsync" $base }}
 {{- $base = printf "%s\ndata_plane:\n  transport: %s\n  device: %s" $base $w.transport $w.device }}
 {{- if ne $w.transport "grpc" }}
 {{- $base = printf "%s\n  rendezvous_port: %d" $base (int $w.rendezvousPort) }}
