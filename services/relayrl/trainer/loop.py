@@ -135,7 +135,11 @@ class Leader:
             outage_timeout_s=config.outage_timeout_s,
         )
         self.refill_groups = 0
-        self.gateway = GatewayLink(config.gateway) if config.gateway is not None else None
+        self.gateway = (
+            GatewayLink(config.gateway, outage_timeout_s=config.outage_timeout_s)
+            if config.gateway is not None
+            else None
+        )
         self._announced_at = 0.0
 
     def _through_outage(self, what: str, function: Callable[[], Any]) -> Any:

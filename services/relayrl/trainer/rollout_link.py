@@ -12,15 +12,25 @@ import grpc
 
 from relayrl.core.config import GrpcClientConfig
 from relayrl.core.grpc_client import channel_options
+from relayrl.core.outage import Outage
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
+class _Away(Exception):
+    """The gateway did not answer (restarting, or gone for now)."""
+
+
 class GatewayLink:
-    def __init__(self, config: GrpcClientConfig, *, attempts: int = 5) -> None:
+    def __init__(
+        self, config: GrpcClientConfig, *, attempts: int = 5, outage_timeout_s: float = 600.0
+    ) -> None:
+        """`outage_timeout_s`: how long pause and resume (colocated modes: the step cannot go
+        on without them) wait out a gateway that is away."""
         self._config = config
         self._attempts = attempts
+        self._outage_timeout_s = outage_timeout_s
         self._channel = grpc.insecure_channel(
             config.target,
             options=channel_options(
@@ -56,19 +66,33 @@ class GatewayLink:
             attempts,
         )
 
+    def _through_outage(self, method: str, request: object) -> None:
+        """One idempotent call, waiting (within each deadline) for a restarting gateway and
+        retrying a gateway that stays away for up to `outage_timeout_s`."""
+        outage = Outage(f"the gateway at {self._config.target} ({method})", self._outage_timeout_s)
+
+        def call() -> None:
+            try:
+                getattr(self._stub, method)(
+                    request, timeout=self._config.default_timeout_s, wait_for_ready=True
+                )
+            except grpc.RpcError as exc:
+                if exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                ):
+                    raise
+                raise _Away(f"{exc.code().name}: {exc.details()}") from None
+
+        outage.call(call, (_Away,))
+
     def pause(self) -> None:
-        # Waits (within the deadline) for a gateway that is restarting.
-        request = rollout_pb2.PauseReplicasRequest(mode=rollout_pb2.PAUSE_MODE_KEEP)
-        self._stub.PauseReplicas(
-            request, timeout=self._config.default_timeout_s, wait_for_ready=True
+        self._through_outage(
+            "PauseReplicas", rollout_pb2.PauseReplicasRequest(mode=rollout_pb2.PAUSE_MODE_KEEP)
         )
 
     def resume(self) -> None:
-        self._stub.ResumeReplicas(
-            rollout_pb2.ResumeReplicasRequest(),
-            timeout=self._config.default_timeout_s,
-            wait_for_ready=True,
-        )
+        self._through_outage("ResumeReplicas", rollout_pb2.ResumeReplicasRequest())
 
     def close(self) -> None:
         self._channel.close()

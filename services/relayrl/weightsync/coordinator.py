@@ -523,6 +523,9 @@ class Coordinator:
                 paused = await self._pause()
             except Exception as exc:
                 self._fail(transfer, SyncError("switch", f"pausing rollout failed: {exc}"))
+                # what the gateway did pause before it failed holds the committed version
+                good = [e.replica_id for e in live if e.holds == self.committed_id]
+                await self._resume(good, self.committed_version)
                 return
             try:
                 # Replicas the gateway did not pause (not routed to: joining, or after a

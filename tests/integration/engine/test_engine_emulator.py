@@ -208,7 +208,7 @@ def test_control_endpoints_and_refusals(emulators) -> None:
         assert not await client.is_paused()
         await client.reset_prefix_cache()
         await client.reset_prefix_cache()
-        assert await client.worker_rpc("relayrl_ping", {}) == [{"ok": True}]
+        assert await client.worker_rpc("relayrl_ping", {}) == [{"ok": True, "holds": ""}]
         (info,) = await client.worker_rpc("relayrl_weight_info", {})
         assert info["num_params"] == 0 and set(info) == {"num_params", "digest", "tensors"}
         generation = await client.generate(request(5))
