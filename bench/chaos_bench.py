@@ -66,6 +66,7 @@ class Kill:
     step: int  # trainer steps logged when it was killed
     at: float  # wall time of the kill
     moment: str  # what was going on
+    restarted_s: float | None = None  # kill -> the supervisor has it running (ready) again
     recovery_s: float | None = None  # kill -> next committed version
 
 
@@ -227,7 +228,8 @@ def kill(run: UpRun, part: str, min_step: int) -> Kill:
         now = run.children()
         return all(now[name]["restarts"] > before[name] for name in names)
 
-    run.wait(restarted, f"{part} to be restarted", 600)
+    run.wait(restarted, f"{part} to be restarted", 600, poll_s=0.05)
+    record.restarted_s = time.time() - at
     record.recovery_s = run.wait(
         lambda: (commits := run.commits_after(at)) and max(commits[0] - at, 1e-3),
         f"a version committed after the {part} kill",
@@ -248,7 +250,8 @@ def one_run(name: str, parts: list[str], steps: int, runs_dir: Path, rng: random
             record = kill(run, part, step)
             result.kills.append(record)
             say(f"  {name}: killed {part:<14} at step {record.step:>2} ({record.moment}); "
-                f"next version committed {record.recovery_s:.1f} s later")  # fmt: skip
+                f"back after {record.restarted_s:.1f} s, next version committed "
+                f"{record.recovery_s:.1f} s after the kill")  # fmt: skip
             step = run.steps_logged() + (1 if name == "fixed" else rng.randint(0, 2))
         code = run.process.wait(1800)
         result.completed = code == 0 and f"for {steps} steps" in run.output()
