@@ -335,7 +335,7 @@ class Coordinator:
             "replica %s holds %s, not the committed version %d (%s): loading it",
             entry.replica_id, holds or "its initial weights", target.version, target.transfer_id,
         )  # fmt: skip
-        if self._gateway is not None and entry.routed:
+        if self._gateway is not None:  # out of routing while it loads, whatever it was
             await self._gateway.pause(self._config.pause_mode, [entry.replica_id])
         outcomes = await self._load_replicas(
             [entry], target, restore=self._gateway is None, pause_engine={entry.replica_id}
@@ -523,9 +523,7 @@ class Coordinator:
                 paused = await self._pause()
             except Exception as exc:
                 self._fail(transfer, SyncError("switch", f"pausing rollout failed: {exc}"))
-                # what the gateway did pause before it failed holds the committed version
-                good = [e.replica_id for e in live if e.holds == self.committed_id]
-                await self._resume(good, self.committed_version)
+                await self._after_failed_switch(live)
                 return
             try:
                 # Replicas the gateway did not pause (not routed to: joining, or after a
@@ -544,16 +542,26 @@ class Coordinator:
                         f"({', '.join(refused)} answered but could not load it)",
                     )
                 await self._commit(transfer)
-            except SyncError as exc:
-                self._fail(transfer, exc)
-                # Replicas that tried hold a mix now; those that still hold the committed
-                # version (none tried: every live one did) go back to routing.
-                good = [e.replica_id for e in live if e.holds == self.committed_id]
-                await self._resume(good, self.committed_version)
+            except Exception as exc:
+                error = exc if isinstance(exc, SyncError) else SyncError("load", repr(exc))
+                self._fail(transfer, error)
+                await self._after_failed_switch(live)
                 return
             finally:
                 self._observe(transfer, "pause_window", time.monotonic() - start)
             await self._resume(loaded, transfer.version)
+
+    async def _after_failed_switch(self, live: list[EngineEntry]) -> None:
+        """The previous version stays committed: replicas that still hold it go back to
+        routing; the others (they hold a mix, or the version that failed) are held out of it
+        until a reconciliation reloads them, so no other resume (a colocated trainer's) can
+        route to them either."""
+        good = [e.replica_id for e in live if e.holds == self.committed_id]
+        await self._resume(good, self.committed_version)
+        for entry in live:
+            if entry.holds != self.committed_id and not entry.failed:
+                entry.routed = False
+                await self._hold(entry)
 
     async def _commit(self, transfer: Transfer) -> None:
         """Keeps the version in state_dir (before anyone is told), then makes it the one
@@ -902,16 +910,23 @@ class Coordinator:
             entry.last_error,
         )  # fmt: skip
 
+    async def _hold(self, entry: EngineEntry) -> None:
+        """The gateway keeps `entry` out of routing until a resume names a version."""
+        if self._gateway is None:
+            return
+        try:
+            await self._gateway.hold(
+                entry.replica_id, entry.last_error or "not at the committed version"
+            )
+        except Exception as exc:  # it is paused at the engine, and we never resume it
+            logger.warning("could not hold replica %s: %s", entry.replica_id, exc)
+
     async def _give_up(self, entry: EngineEntry) -> str:
         """The replica spent its attempts: out of switches (and of routing: the gateway is
         never told to resume it) until a reconciliation loads a whole version into it.
         Whether it still answers tells a refusal from a death."""
         entry.failed, entry.holds, entry.routed = True, None, False
-        if self._gateway is not None:
-            try:
-                await self._gateway.hold(entry.replica_id, entry.last_error or "load failed")
-            except Exception as exc:  # it is paused at the engine and never resumed by us
-                logger.warning("could not hold replica %s: %s", entry.replica_id, exc)
+        await self._hold(entry)
         answers = await self._holds(entry)
         outcome = UNREACHABLE if answers == UNREACHABLE else REFUSED
         logger.warning(

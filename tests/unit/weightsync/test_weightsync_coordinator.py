@@ -390,6 +390,52 @@ def test_a_restarted_coordinator_reads_the_committed_version_back(
     assert restarted.engines["engine-1"].version == 3
 
 
+def test_a_version_that_cannot_be_kept_fails_and_its_replicas_are_held_until_reloaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    engine = Engine("http://a")
+    no_send(monkeypatch)
+    saves: list[int] = []
+    real_save = CommittedStore.save
+
+    def save(self: CommittedStore, **kwargs: Any) -> None:
+        saves.append(kwargs["version"])
+        if kwargs["version"] == 2:
+            raise OSError(28, "No space left on device")
+        real_save(self, **kwargs)
+
+    monkeypatch.setattr(CommittedStore, "save", save)
+
+    async def main() -> tuple[Any, ...]:
+        gateway = PoolGateway({"engine-0": engine})
+        await gateway.join()
+        c = coordinator(
+            {"engine-0": engine}, gateway, transport="grpc", static=False, state_dir=tmp_path
+        )
+        try:
+            c.register_engine("engine-0", engine.url, 0)
+            await settle(c)
+            first = await publish_and_wait(c, 1)
+            second = await publish_and_wait(c, 2)
+            held = gateway.state("engine-0")
+            # even routed to by mistake meanwhile, it is paused before its reload
+            await gateway.resume("engine-0", 2)
+            c.register_engine("engine-0", engine.url, 1, routed=False)
+            await settle(c)
+            return first, second, held, gateway.state("engine-0"), c
+        finally:
+            await c.close()
+
+    first, second, held, after, c = asyncio.run(main())
+    assert second.state == pb.TRANSFER_STATE_FAILED
+    assert second.error.startswith("restore: cannot keep version 2") and saves == [1, 2]
+    assert c.committed_version == 1 and c.committed_id == first.transfer_id
+    assert held is ReplicaState.LOADING  # it held version 2, which never committed
+    # the next registration reloads the committed version 1 into it
+    assert engine.holds == first.transfer_id and after is ReplicaState.SERVING
+    assert engine.label == "1"
+
+
 def test_a_damaged_state_dir_is_refused_with_what_to_do(tmp_path: Path) -> None:
     store = CommittedStore(tmp_path)
     plan = pb.BucketPlan(
