@@ -5,7 +5,8 @@ checked against relayrl's three promises (docs/recovery.md):
   and the TransferQueue marks it consumed at exactly that step;
 - no group lost: nothing is stuck where no component will ever move it -- a running group
   without a lease, a finished trajectory whose event no consumer group will deliver, a group
-  consumed at a step that did not train it although it had a valid member and was not stale;
+  consumed at a step that did not train it although that step's own verdicts (staleness, no
+  valid member, the DAPO filter) would have kept it;
 - no stale weights served: every generated span carries the weight version of the engine
   that sampled it (the engine's own label), and that version was the committed one at some
   moment while the trajectory ran (an engine serving its initial weights after a newer
@@ -108,7 +109,7 @@ def audit_run(run_dir: Path) -> AuditReport:
     """Audits a stopped run (see the module docstring)."""
     report = AuditReport()
     trained = _trained_by_step(run_dir, report)
-    threshold = _staleness_threshold(run_dir)
+    rules = StepRules.of_run(run_dir)
     consumer_group = _reward_consumer_group(run_dir)
     timeline = CommitTimeline.of_run(run_dir)
     server = RedisServer(run_dir / "redis")
@@ -128,7 +129,7 @@ def audit_run(run_dir: Path) -> AuditReport:
     for uid, group in groups.items():
         status = common_pb2.GroupStatus.Name(group.group.tags.status).removeprefix("GROUP_STATUS_")
         report.statuses[status.lower()] += 1
-        _check_group(uid, group, trained, threshold, leases, alive_events, timeline, report)
+        _check_group(uid, group, trained, rules, leases, alive_events, timeline, report)
     for uid, step in trained.items():
         if uid not in groups:
             report.lost.append(f"{uid}: trained at step {step} but not in the TransferQueue")
@@ -155,11 +156,40 @@ def _service_config(run_dir: Path, service: str) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) if path.exists() else {}
 
 
-def _staleness_threshold(run_dir: Path) -> int:
-    from relayrl.trainer.config import TrainerConfig
+@dataclass(frozen=True)
+class StepRules:
+    """What made the trainer consume a group without training on it (its step's verdicts)."""
 
-    config = _service_config(run_dir, "trainer")
-    return TrainerConfig.model_validate(config).algorithm.staleness_threshold if config else 1
+    staleness_threshold: int = 1
+    dapo_filter: bool = True
+
+    @classmethod
+    def of_run(cls, run_dir: Path) -> StepRules:
+        from relayrl.trainer.config import TrainerConfig
+
+        config = _service_config(run_dir, "trainer")
+        if not config:
+            return cls()
+        algorithm = TrainerConfig.model_validate(config).algorithm
+        return cls(algorithm.staleness_threshold, algorithm.dapo_filter)
+
+    def rejected(self, group: Any, step: int) -> bool:
+        """Whether the step judged the group unusable: too stale, no valid member, or (with
+        the DAPO filter) no learning signal -- the same verdicts as the trainer's."""
+        from relayrl.trainer.advantages import GroupRewards, dapo_filter
+        from relayrl.trainer.batch import is_valid
+
+        if step - group.group.tags.prompt_step + 1 > self.staleness_threshold:
+            return True
+        valid = [is_valid(t) for t in group.trajectories]
+        if not self.dapo_filter:
+            return not any(valid)
+        rewards = GroupRewards(
+            group.group.uid,
+            [t.reward.score for t in group.trajectories],
+            [not v for v in valid],
+        )
+        return not dapo_filter([rewards]).kept
 
 
 def _reward_consumer_group(run_dir: Path) -> str:
@@ -208,7 +238,7 @@ def _check_group(
     uid: str,
     group: Any,
     trained: dict[str, int],
-    threshold: int,
+    rules: StepRules,
     leases: set[str],
     alive_events: set[str],
     timeline: CommitTimeline,
@@ -218,11 +248,6 @@ def _check_group(
     status = GroupStatus(
         common_pb2.GroupStatus.Name(tags.status).removeprefix("GROUP_STATUS_").lower()
     )
-    valid = [
-        t
-        for t in group.trajectories
-        if t.tags.status == common_pb2.TRAJECTORY_STATUS_SCORED and not t.tags.is_infra
-    ]
     report.num_infra_trajectories += sum(1 for t in group.trajectories if t.tags.is_infra)
     if status is GroupStatus.CONSUMED:
         step = tags.consumed_step
@@ -230,9 +255,11 @@ def _check_group(
             report.trained_twice.append(
                 f"{uid}: trained at step {trained[uid]}, consumed in the queue at step {step}"
             )
-        stale = step - tags.prompt_step + 1 > threshold
-        if uid not in trained and valid and not stale:
-            report.lost.append(f"{uid}: consumed at step {step}, never trained, had valid members")
+        if uid not in trained and not rules.rejected(group, step):
+            report.lost.append(
+                f"{uid}: consumed at step {step} and usable there (fresh, with a signal), but "
+                "no step trained it"
+            )
     elif uid in trained:
         report.trained_twice.append(f"{uid}: trained at step {trained[uid]} but {status.value}")
     if status is GroupStatus.RUNNING and uid not in leases:

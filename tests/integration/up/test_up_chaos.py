@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from up_helpers import audit_queue, check_exactly_once, processes_of
 
 from relayrl.proto.common.v1 import common_pb2
+from relayrl.up.audit import audit_run
 
 REPO = Path(__file__).parents[3]
 LAST_LINE = re.compile(
@@ -80,3 +82,25 @@ def test_every_part_killed_during_a_run_loses_nothing_and_serves_nothing_stale(
     ]
     assert committed[-1]["version"] == STEPS
     assert processes_of(run_dir) == []
+
+    # and the audit is not blind: the same run with its records doctored fails it
+    doctored = tmp_path / "doctored"
+    shutil.copytree(run_dir, doctored)
+    steps_log = doctored / "trainer" / "steps.jsonl"
+    records = [json.loads(x) for x in steps_log.read_text().splitlines() if x.strip()]
+    last = {r["step"]: r for r in records}
+    twice = last[0]["uids"][0]
+    extra = dict(last[STEPS - 1], uids=[*last[STEPS - 1]["uids"], twice])  # trained again
+    dropped = last[1]["uids"][0]
+    untrained = dict(last[1], uids=last[1]["uids"][1:])  # consumed, usable, never trained
+    steps_log.write_text("".join(json.dumps(r) + "\n" for r in [*records, untrained, extra]))
+    transfers = doctored / "weightsync" / "transfers.jsonl"
+    kept = [x for x in transfers.read_text().splitlines() if json.loads(x)["version"] != 5]
+    transfers.write_text("\n".join(kept) + "\n")  # version 5 as if it never committed
+    report = audit_run(doctored)
+    assert any(
+        line.startswith(f"{twice}: trained at steps 0 and {STEPS - 1}")
+        for line in report.trained_twice
+    )
+    assert any(line.startswith(f"{dropped}: consumed at step 1") for line in report.lost)
+    assert report.stale_served and all("version 5" in line for line in report.stale_served)
