@@ -47,6 +47,7 @@ class AuditReport:
     lost: list[str] = field(default_factory=list)
     stale_served: list[str] = field(default_factory=list)
     num_spans: int = 0
+    spans_by_version: Counter[int] = field(default_factory=Counter)
     num_infra_trajectories: int = 0
     left_over: int = 0
 
@@ -71,6 +72,7 @@ class AuditReport:
             "lost": self.lost,
             "stale_served": self.stale_served,
             "num_spans": self.num_spans,
+            "spans_by_version": {str(v): n for v, n in sorted(self.spans_by_version.items())},
             "num_infra_trajectories": self.num_infra_trajectories,
             "left_over": self.left_over,
         }
@@ -289,6 +291,7 @@ def _check_spans(t: common_pb2.Trajectory, timeline: CommitTimeline, report: Aud
     committed = timeline.committed_during(start, end)
     for span in spans:
         report.num_spans += 1
+        report.spans_by_version[span.policy_version] += 1
         if span.policy_version not in committed:
             report.stale_served.append(
                 f"{t.uid}_{t.index} tokens [{span.start}, {span.end}) on {span.replica or '?'}: "

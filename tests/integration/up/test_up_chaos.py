@@ -94,13 +94,18 @@ def test_every_part_killed_during_a_run_loses_nothing_and_serves_nothing_stale(
     dropped = last[1]["uids"][0]
     untrained = dict(last[1], uids=last[1]["uids"][1:])  # consumed, usable, never trained
     steps_log.write_text("".join(json.dumps(r) + "\n" for r in [*records, untrained, extra]))
+    # a version engines really served, as if it had never committed
+    served = {int(v): n for v, n in record["audit"]["spans_by_version"].items()}
+    gone = max(served, key=lambda v: (v > 0, served[v]))
+    assert gone > 0, served
     transfers = doctored / "weightsync" / "transfers.jsonl"
-    kept = [x for x in transfers.read_text().splitlines() if json.loads(x)["version"] != 5]
-    transfers.write_text("\n".join(kept) + "\n")  # version 5 as if it never committed
+    kept = [x for x in transfers.read_text().splitlines() if json.loads(x)["version"] != gone]
+    transfers.write_text("".join(x + "\n" for x in kept))
     report = audit_run(doctored)
     assert any(
         line.startswith(f"{twice}: trained at steps 0 and {STEPS - 1}")
         for line in report.trained_twice
     )
     assert any(line.startswith(f"{dropped}: consumed at step 1") for line in report.lost)
-    assert report.stale_served and all("version 5" in line for line in report.stale_served)
+    assert len(report.stale_served) == served[gone], report.stale_served
+    assert all(f": version {gone}, " in line for line in report.stale_served)
