@@ -144,7 +144,7 @@ class RelayrlWorkerExtension:
         why reload, not load); returns the loaded buckets' sha256 in plan order, which the
         coordinator compares with what the senders pushed. The weight-sync receiver (and gRPC
         with it) is imported only here, when a version arrives."""
-        from relayrl.weightsync.receiver import receive_tensors
+        from relayrl.transfer.receiver import receive_tensors
 
         request = json.loads(request_json)
         stats: dict[str, Any] = {}
@@ -180,8 +180,8 @@ class RelayrlWorkerExtension:
         transfer costs about a second)."""
         if request.get("transport") != "mooncake":
             return {}
-        from relayrl.weightsync.transports.base import TransportSpec, local_address_towards
-        from relayrl.weightsync.transports.mooncake import MooncakeEngine
+        from relayrl.transfer.transports.base import TransportSpec, local_address_towards
+        from relayrl.transfer.transports.mooncake import MooncakeEngine
 
         engine = getattr(self, "_relayrl_mooncake", None)
         if engine is None:

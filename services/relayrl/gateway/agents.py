@@ -8,21 +8,7 @@ Built-ins (an explicit table, plus the operator's loops by dotted path):
   turn's prompt is the initial prompt + the response so far, token for token (DESIGN §4:
   engine-returned ids are reused, never re-tokenised, so the trainer sees what was sampled).
 
-How the trajectory relates to the chat template. The observation after turn k is the text
-the template renders between an assistant message and the next generation prompt (for the
-tiny model's ChatML: `\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>
-\\n<|im_start|>assistant\\n`). It is derived from the template itself, not hard-coded: render
-[user, assistant] and [user, assistant, tool...] + generation prompt and keep the suffix.
-When the generation ended with the token that closes an assistant turn (`<|im_end|>`), that
-token is already in the response and the observation starts after it. So prompt + response
-is what `apply_chat_template(messages + [assistant(content=<generated text>), tool...],
-add_generation_prompt=True)` renders, with these deviations, all kept on purpose:
-- the generated tokens are the sampled ones, which need not be the canonical tokenisation
-  of their text (re-tokenising the rendered text can give other ids);
-- a template that re-renders tool calls from structured `tool_calls` (JSON re-serialised)
-  can differ from the generated text in whitespace or key order;
-- a generation that stopped on another stop token (say `<|endoftext|>`) keeps that token and
-  the observation closes the turn with the template's own `<|im_end|>` after it.
+How the trajectory relates to the chat template: `relayrl.conversation.rendering`.
 """
 
 from __future__ import annotations
@@ -30,24 +16,47 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import json
-import re
+import importlib
 import time
+import warnings
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from relayrl.engine.client import EngineClient, GenerateRequest, Generation, SamplingOptions
-from relayrl.gateway.tools import ToolTable, error_message, import_dotted
+from relayrl.conversation import rendering
+from relayrl.conversation import tool_calls as tool_syntax
+from relayrl.conversation.tools import ToolTable, error_message, import_dotted
+from relayrl.inference.client import EngineClient, GenerateRequest, Generation, SamplingOptions
 from relayrl.proto.common.v1 import common_pb2
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-TURN_END_TOKEN = "<|im_end|>"
 UNKNOWN_VERSION = -1
+
+# Prompt rendering and the tool-call syntax moved to relayrl.conversation (the trainer and the
+# tasks use them too); their old names here keep working, with a DeprecationWarning, for this
+# release.
+_MOVED = {
+    **dict.fromkeys(
+        ("TURN_END_TOKEN", "prompt_token_ids", "turn_end_token_ids", "observation_token_ids"),
+        "relayrl.conversation.rendering",
+    ),
+    **dict.fromkeys(
+        ("TOOL_CALL_OPEN", "TOOL_CALL_CLOSE", "ParsedToolCall", "parse_tool_calls"),
+        "relayrl.conversation.tool_calls",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"relayrl.gateway.agents.{name} moved to {module}", DeprecationWarning, stacklevel=2
+    )
+    return getattr(importlib.import_module(module), name)
 
 
 # --- engine session --------------------------------------------------------------------------
@@ -248,133 +257,7 @@ class AgentLoop(abc.ABC):
     ) -> Rollout: ...
 
 
-# --- prompts and template pieces -------------------------------------------------------------
-
-
-def _chat_messages(group: common_pb2.PromptGroup) -> list[dict[str, str]]:
-    messages = []
-    for message in group.messages:
-        entry = {"role": message.role, "content": message.content}
-        if message.name:
-            entry["name"] = message.name
-        if message.tool_call_id:
-            entry["tool_call_id"] = message.tool_call_id
-        messages.append(entry)
-    return messages
-
-
-def _render(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, str]],
-    tools: ToolTable | None,
-    add_generation_prompt: bool,
-) -> str:
-    text = tokenizer.apply_chat_template(
-        messages,
-        tools=(tools.schemas() or None) if tools is not None else None,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-    )
-    assert isinstance(text, str)
-    return text
-
-
-def prompt_token_ids(
-    group: common_pb2.PromptGroup, tokenizer: PreTrainedTokenizerBase, tools: ToolTable | None
-) -> list[int]:
-    """`group.prompt_token_ids` when set (used as given), else the chat template over
-    `group.messages` (with the tools' schemas when `tools` is given) and the generation
-    prompt."""
-    if group.prompt_token_ids:
-        return list(group.prompt_token_ids)
-    if not group.messages:
-        raise ValueError(f"group {group.uid}: no prompt: set prompt_token_ids or messages")
-    text = _render(tokenizer, _chat_messages(group), tools, add_generation_prompt=True)
-    # The rendered text carries its own special tokens; no BOS/EOS added around it.
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def turn_end_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """The token that closes an assistant turn: `<|im_end|>` when the vocabulary has it,
-    else the tokenizer's eos."""
-    token_id = tokenizer.convert_tokens_to_ids(TURN_END_TOKEN)
-    if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
-        return (token_id,)
-    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-
-
-_SENTINEL = "relayrl-assistant-content-sentinel"
-
-
-def observation_token_ids(
-    tokenizer: PreTrainedTokenizerBase,
-    tool_outputs: Sequence[str],
-    last_generated_id: int | None,
-    tools: ToolTable | None = None,
-) -> list[int]:
-    """Tokens between a generation that called tools and the next generation: what the chat
-    template renders after an assistant message when tool messages and the generation prompt
-    follow. A closing special token the generation already ends with is not repeated."""
-    before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
-    after = before + [{"role": "tool", "content": output} for output in tool_outputs]
-    head = _render(tokenizer, before, tools, add_generation_prompt=False)
-    full = _render(tokenizer, after, tools, add_generation_prompt=True)
-    if not full.startswith(head):
-        raise ValueError(
-            "the chat template renders earlier turns differently once a tool turn follows; "
-            "tool_agent cannot append observations to the sampled tokens with it"
-        )
-    closing = head[head.rindex(_SENTINEL) + len(_SENTINEL) :]
-    added = tokenizer.added_tokens_decoder
-    if last_generated_id is not None and last_generated_id in added:
-        piece = added[last_generated_id].content
-        if closing.startswith(piece):
-            closing = closing[len(piece) :]
-    return list(tokenizer.encode(closing + full[len(head) :], add_special_tokens=False))
-
-
 # --- tool calls ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParsedToolCall:
-    name: str | None
-    arguments: Any
-    # Why the call is malformed (the policy reads it); None for a well-formed call.
-    error: str | None = None
-
-
-_TOOL_CALL_BLOCK = re.compile(
-    re.escape(TOOL_CALL_OPEN) + "(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S
-)
-
-
-def _parse_block(body: str) -> ParsedToolCall:
-    try:
-        call = json.loads(body)
-    except ValueError as exc:
-        return ParsedToolCall(None, None, f"tool call is not valid JSON: {exc}")
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-        return ParsedToolCall(None, None, "tool call needs a name and an arguments object")
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):  # OpenAI's wire form: arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as exc:
-            return ParsedToolCall(call["name"], None, f"arguments are not valid JSON: {exc}")
-    return ParsedToolCall(call["name"], arguments)
-
-
-def parse_tool_calls(text: str) -> list[ParsedToolCall]:
-    """The `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of a generation,
-    in order; malformed ones (bad JSON, no name, unclosed) carry the reason."""
-    calls, end = [], 0
-    for match in _TOOL_CALL_BLOCK.finditer(text):
-        calls.append(_parse_block(match.group(1).strip()))
-        end = match.end()
-    if TOOL_CALL_OPEN in text[end:]:
-        calls.append(ParsedToolCall(None, None, f"{TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}"))
-    return calls
 
 
 async def _gather_all_or_cancel(calls: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -395,7 +278,7 @@ async def _gather_all_or_cancel(calls: Sequence[Awaitable[Any]]) -> list[Any]:
 def _turn_sampling(context: AgentContext, max_tokens: int) -> SamplingOptions:
     base = context.sampling
     stops = base.stop_token_ids + tuple(
-        t for t in turn_end_token_ids(context.tokenizer) if t not in base.stop_token_ids
+        t for t in rendering.turn_end_token_ids(context.tokenizer) if t not in base.stop_token_ids
     )
     return dataclasses.replace(base, max_tokens=max_tokens, stop_token_ids=stops)
 
@@ -408,7 +291,7 @@ class SingleTurn(AgentLoop):
     async def run(
         self, group: common_pb2.PromptGroup, session: EngineSession, context: AgentContext
     ) -> Rollout:
-        prompt = prompt_token_ids(group, context.tokenizer, tools=None)
+        prompt = rendering.prompt_token_ids(group, context.tokenizer, tools=None)
         max_tokens = min(context.sampling.max_tokens, context.max_response_tokens)
         started = time.monotonic()
         generation = await session.generate(prompt, _turn_sampling(context, max_tokens))
@@ -437,7 +320,7 @@ class ToolAgent(AgentLoop):
         self, group: common_pb2.PromptGroup, session: EngineSession, context: AgentContext
     ) -> Rollout:
         tokenizer = context.tokenizer
-        prompt = prompt_token_ids(group, tokenizer, tools=context.tools)
+        prompt = rendering.prompt_token_ids(group, tokenizer, tools=context.tools)
         response = ResponseBuilder()
         records: list[dict[str, Any]] = []
         timings = {"generate_s": 0.0, "tool_s": 0.0}
@@ -458,7 +341,7 @@ class ToolAgent(AgentLoop):
                 finish_reason = generation.finish_reason or "unknown"
                 break
             text = tokenizer.decode(list(generation.token_ids), skip_special_tokens=False)
-            calls = parse_tool_calls(text)
+            calls = tool_syntax.parse_tool_calls(text)
             if not calls:
                 finish_reason = "stop"
                 break
@@ -470,7 +353,9 @@ class ToolAgent(AgentLoop):
             outputs = await self._call_tools(calls, turn, group, context, records)
             timings["tool_s"] += time.monotonic() - started
             last_id = generation.token_ids[-1] if generation.token_ids else None
-            observation = observation_token_ids(tokenizer, outputs, last_id, context.tools)
+            observation = rendering.observation_token_ids(
+                tokenizer, outputs, last_id, context.tools
+            )
             if len(response) + len(observation) >= context.max_response_tokens:
                 finish_reason = "length"
                 break
@@ -481,7 +366,7 @@ class ToolAgent(AgentLoop):
 
     async def _call_tools(
         self,
-        calls: Sequence[ParsedToolCall],
+        calls: Sequence[tool_syntax.ParsedToolCall],
         turn: int,
         group: common_pb2.PromptGroup,
         context: AgentContext,
@@ -513,7 +398,9 @@ class ToolAgent(AgentLoop):
         return outputs
 
 
-def _record(turn: int, call: ParsedToolCall, status: str, duration_s: float) -> dict[str, Any]:
+def _record(
+    turn: int, call: tool_syntax.ParsedToolCall, status: str, duration_s: float
+) -> dict[str, Any]:
     record = {
         "turn": turn,
         "name": call.name,

@@ -16,9 +16,9 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from relayrl.engine.client import EngineClient, VllmEngineClient
 from relayrl.gateway.config import KubernetesDiscoveryConfig
 from relayrl.gateway.replicas import ReplicaPool
+from relayrl.inference.client import EngineClient, VllmEngineClient
 
 logger = logging.getLogger(__name__)
 

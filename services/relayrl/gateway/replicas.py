@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from relayrl.engine.client import EngineClient, EngineError, EngineUnavailable, PauseMode
 from relayrl.gateway.metrics import GatewayMetrics
+from relayrl.inference.client import EngineClient, EngineError, EngineUnavailable, PauseMode
 
 logger = logging.getLogger(__name__)
 

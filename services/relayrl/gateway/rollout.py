@@ -25,8 +25,11 @@ from dataclasses import dataclass
 
 import redis
 
+from relayrl.conversation.tools import ToolFailure
 from relayrl.core.logs import REQUEST_ID
-from relayrl.engine.client import (
+from relayrl.gateway.agents import AgentContext, AgentLoop, Rollout
+from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
+from relayrl.inference.client import (
     EngineError,
     EngineUnavailable,
     GenerateRequest,
@@ -34,9 +37,6 @@ from relayrl.engine.client import (
     SamplingOptions,
     VersionSpan,
 )
-from relayrl.gateway.agents import AgentContext, AgentLoop, Rollout
-from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
-from relayrl.gateway.tools import ToolFailure
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import ClaimedGroup, TrajectoryPut, TransferQueue
 from relayrl.tq.errors import StaleClaimError, TQError

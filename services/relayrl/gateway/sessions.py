@@ -61,16 +61,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from relayrl.engine.client import EngineError, EngineRejected, Generation, SamplingOptions
-from relayrl.gateway.agents import (
-    TOOL_CALL_OPEN,
-    ResponseBuilder,
-    parse_tool_calls,
-    turn_end_token_ids,
-)
+from relayrl.conversation.rendering import turn_end_token_ids
+from relayrl.conversation.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
+from relayrl.gateway.agents import ResponseBuilder
 from relayrl.gateway.config import AgentHttpConfig
 from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
 from relayrl.gateway.rollout import EngineTimeout, StickySession, trajectory_of
+from relayrl.inference.client import EngineError, EngineRejected, Generation, SamplingOptions
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import ClaimedGroup, TrajectoryPut, TransferQueue
 from relayrl.tq.codec import check_uid

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from relayrl.gateway.tools import evaluate_expression
+from relayrl.conversation.tools import evaluate_expression
 from relayrl.tasks.base import ANSWER_INSTRUCTION, Question, Record, Task
 
 OPERATORS = ("+", "-", "*")

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from relayrl.gateway.agents import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from relayrl.gateway.tools import LOOKUP_LABEL_PREFIX, Lookup, ToolTable, result_message
+from relayrl.conversation.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from relayrl.conversation.tools import LOOKUP_LABEL_PREFIX, Lookup, ToolTable, result_message
 from relayrl.models.tokenizer import CHAT_TEMPLATE, IM_END, IM_START
 from relayrl.tasks.arith import canonical_expression, expression_text, integer_value
 from relayrl.tasks.base import ANSWER_INSTRUCTION, Question, Record, Task

@@ -49,7 +49,7 @@ class Evaluator:
     ) -> None:
         from transformers import AutoTokenizer
 
-        from relayrl.gateway.tools import ToolTable
+        from relayrl.conversation.tools import ToolTable
         from relayrl.trainer.feeder import load_prompts
 
         self.task = task
@@ -65,8 +65,8 @@ class Evaluator:
         return asyncio.run(self._run(engine_url, kind, step))
 
     async def _run(self, engine_url: str, kind: str, step: int) -> EvalRecord:
-        from relayrl.engine.client import VllmEngineClient
         from relayrl.gateway.agents import policy_version
+        from relayrl.inference.client import VllmEngineClient
 
         started = time.monotonic()
         client = VllmEngineClient(engine_url, request_timeout_s=120.0)
@@ -94,8 +94,8 @@ class Evaluator:
         )
 
     async def _pass(self, client, temperature: float, kind: str) -> int:
-        from relayrl.engine.client import SamplingOptions
         from relayrl.gateway.agents import AgentContext, ClientSession, build_agent_loops
+        from relayrl.inference.client import SamplingOptions
         from relayrl.proto.common.v1 import common_pb2
 
         loops = build_agent_loops()

@@ -49,11 +49,11 @@ from typing import Any
 from relayrl.core.replicas import static_replica_ids
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+from relayrl.transfer.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
+from relayrl.transfer.transports.base import TransportSpec
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.metrics import WeightSyncMetrics
-from relayrl.weightsync.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
 from relayrl.weightsync.state import CommittedStore, StoredVersion
-from relayrl.weightsync.transports.base import TransportSpec
 
 TRANSPORT_TYPES = {
     "grpc": pb.TRANSPORT_TYPE_GRPC,
@@ -825,7 +825,7 @@ class Coordinator:
         """This service as the only sender of `spec` (runs in a thread)."""
         import torch
 
-        from relayrl.weightsync.transports.base import open_sink
+        from relayrl.transfer.transports.base import open_sink
 
         resources = {"engine": self._mooncake_engine(spec)} if spec.type == "mooncake" else {}
         with open_sink(spec, 0, **resources) as sink, warnings.catch_warnings():
@@ -842,8 +842,8 @@ class Coordinator:
     def _mooncake_engine(self, spec: TransportSpec) -> Any:
         """One Mooncake engine for this service's lifetime (destroying one costs a second)."""
         if self._mooncake is None:
-            from relayrl.weightsync.transports.base import local_address_towards
-            from relayrl.weightsync.transports.mooncake import MooncakeEngine
+            from relayrl.transfer.transports.base import local_address_towards
+            from relayrl.transfer.transports.mooncake import MooncakeEngine
 
             self._mooncake = MooncakeEngine(
                 local_address_towards(spec.rendezvous_address[0]),

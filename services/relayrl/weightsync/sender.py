@@ -19,8 +19,7 @@ from typing import Literal
 import torch
 
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.weightsync.plan import DoubleBufferedPacker, plan_digest
-from relayrl.weightsync.receiver import layouts_from_plan
+from relayrl.transfer.plan import DoubleBufferedPacker, layouts_from_plan, plan_digest
 
 Quantization = Literal["none", "fp8_per_tensor", "fp8_block_128"]
 
@@ -62,8 +61,8 @@ def export_tensors(
     quantize_embeddings: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[common_pb2.TensorMeta]]:
     """Boundary 1: the tensors as they go on the wire, and their manifest (with FP8,
-    `quantize_embeddings` quantises embeddings and lm_head too; see `relayrl.weightsync.quant`)."""
-    from relayrl.weightsync.quant import quantize_fp8, scale_name, should_quantize
+    `quantize_embeddings` quantises embeddings and lm_head too; see `relayrl.transfer.quant`)."""
+    from relayrl.transfer.quant import quantize_fp8, scale_name, should_quantize
 
     out: dict[str, torch.Tensor] = {}
     metas: list[common_pb2.TensorMeta] = []

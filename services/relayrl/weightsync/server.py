@@ -85,7 +85,7 @@ class GatewayControl:
 
 
 def engine_client(url: str, timeout_s: float) -> Any:
-    from relayrl.engine.client import VllmEngineClient
+    from relayrl.inference.client import VllmEngineClient
 
     return VllmEngineClient(url, control_timeout_s=timeout_s)
 

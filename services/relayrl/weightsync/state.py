@@ -31,7 +31,7 @@ from pathlib import Path
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-from relayrl.weightsync.plan import BucketLayout, Piece, layouts_from_pieces, plan_digest
+from relayrl.transfer.plan import BucketLayout, Piece, layouts_from_pieces, plan_digest
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from relayrl.engine.client import (
+from relayrl.engine.config import EngineConfig
+from relayrl.engine.process import EngineProcess, free_port
+from relayrl.inference.client import (
     EngineRejected,
     EngineUnavailable,
     GenerateRequest,
@@ -22,8 +24,6 @@ from relayrl.engine.client import (
     SamplingOptions,
     VllmEngineClient,
 )
-from relayrl.engine.config import EngineConfig
-from relayrl.engine.process import EngineProcess, free_port
 
 PROMPT = (3, 17, 42, 99, 7, 250)
 GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -29,13 +29,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from relayrl.core.grpc_client import make_channel
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.client import (
-    EngineClient,
-    EngineUnavailable,
-    GenerateRequest,
-    Generation,
-    VersionSpan,
-)
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.config import AgentHttpConfig
@@ -47,6 +40,13 @@ from relayrl.gateway.sessions import (
     ErrorKind,
     SessionSpec,
     TurnSampling,
+)
+from relayrl.inference.client import (
+    EngineClient,
+    EngineUnavailable,
+    GenerateRequest,
+    Generation,
+    VersionSpan,
 )
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc

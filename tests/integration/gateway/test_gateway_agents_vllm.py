@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from relayrl.engine.client import Generation, SamplingOptions, VllmEngineClient
+from relayrl.conversation.tools import ToolTable
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.agents import (
@@ -32,7 +32,7 @@ from relayrl.gateway.agents import (
     SingleTurn,
     ToolAgent,
 )
-from relayrl.gateway.tools import ToolTable
+from relayrl.inference.client import Generation, SamplingOptions, VllmEngineClient
 from relayrl.proto.common.v1 import common_pb2
 
 pytestmark = pytest.mark.slow

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relayrl.engine.client import Generation, SamplingOptions, VllmEngineClient
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.replicas import ReplicaPool, ReplicaState
 from relayrl.gateway.rollout import StickySession
+from relayrl.inference.client import Generation, SamplingOptions, VllmEngineClient
 
 PROMPT = (1, 40, 41, 42, 2, 1)
 LONG = SamplingOptions(max_tokens=300, temperature=1.0, seed=3, ignore_eos=True)

@@ -12,18 +12,18 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from relayrl.engine.client import (
+from relayrl.conversation.tools import ToolTable
+from relayrl.gateway.agents import AgentContext, build_agent_loops
+from relayrl.gateway.metrics import GatewayMetrics
+from relayrl.gateway.replicas import ReplicaPool
+from relayrl.gateway.rollout import RolloutWorker, Throttle
+from relayrl.inference.client import (
     EngineClient,
     GenerateRequest,
     Generation,
     SamplingOptions,
     VersionSpan,
 )
-from relayrl.gateway.agents import AgentContext, build_agent_loops
-from relayrl.gateway.metrics import GatewayMetrics
-from relayrl.gateway.replicas import ReplicaPool
-from relayrl.gateway.rollout import RolloutWorker, Throttle
-from relayrl.gateway.tools import ToolTable
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 

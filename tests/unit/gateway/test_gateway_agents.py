@@ -16,7 +16,15 @@ from typing import Any, ClassVar
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from relayrl.engine.client import EngineUnavailable, Generation, SamplingOptions, VersionSpan
+from relayrl.conversation.rendering import observation_token_ids, prompt_token_ids
+from relayrl.conversation.tool_calls import parse_tool_calls
+from relayrl.conversation.tools import (
+    MAX_INT_BITS,
+    Tool,
+    ToolFailure,
+    ToolTable,
+    evaluate_expression,
+)
 from relayrl.gateway.agents import (
     AgentContext,
     AgentLoop,
@@ -25,17 +33,8 @@ from relayrl.gateway.agents import (
     SingleTurn,
     ToolAgent,
     build_agent_loops,
-    observation_token_ids,
-    parse_tool_calls,
-    prompt_token_ids,
 )
-from relayrl.gateway.tools import (
-    MAX_INT_BITS,
-    Tool,
-    ToolFailure,
-    ToolTable,
-    evaluate_expression,
-)
+from relayrl.inference.client import EngineUnavailable, Generation, SamplingOptions, VersionSpan
 from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.proto.common.v1 import common_pb2
 

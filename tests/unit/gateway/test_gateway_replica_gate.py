@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from relayrl.engine.client import EngineUnavailable
 from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool, ReplicaState
+from relayrl.inference.client import EngineUnavailable
 
 
 class Engine:

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from relayrl.engine.client import Generation, SamplingOptions, VersionSpan
+from relayrl.conversation.tools import ToolTable
 from relayrl.gateway.agents import AgentContext, build_agent_loops
-from relayrl.gateway.tools import ToolTable
+from relayrl.inference.client import Generation, SamplingOptions, VersionSpan
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tasks import TASKS, Task, score, tools_system_prompt, write_jsonl
 from relayrl.trainer.feeder import PromptRecord, load_prompts

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.gateway.tools import evaluate_expression
+from relayrl.conversation.tools import evaluate_expression
 from relayrl.tasks import SPLITS, TASKS, ArithTask, LookupTask, Task, split_of, write_jsonl
 from relayrl.trainer.feeder import load_prompts
 

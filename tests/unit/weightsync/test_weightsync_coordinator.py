@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from relayrl.engine.client import EngineUnavailable
 from relayrl.gateway.replicas import ReplicaPool, ReplicaState
+from relayrl.inference.client import EngineUnavailable
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+from relayrl.transfer.transports.base import TransportError, TransportSpec
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator, SyncError
 from relayrl.weightsync.metrics import WeightSyncMetrics
 from relayrl.weightsync.state import CommittedStore, StateError
-from relayrl.weightsync.transports.base import TransportError, TransportSpec
 
 METAS = [common_pb2.TensorMeta(name="w", shape=[64], dtype=common_pb2.DTYPE_BFLOAT16)]
 DATA = bytes(range(128))

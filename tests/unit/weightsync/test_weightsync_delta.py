@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.weightsync.delta import (
+from relayrl.transfer.delta import (
     DeltaChecksumError,
     DeltaDecoder,
     DeltaEncoder,

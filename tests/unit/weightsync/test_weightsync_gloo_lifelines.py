@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from relayrl.weightsync.transports.torch_distributed import (
+from relayrl.transfer.transports.torch_distributed import (
     _FAREWELL_ABORT,
     _FAREWELL_DONE,
     _Failure,

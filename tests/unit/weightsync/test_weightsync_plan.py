@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.weightsync.plan import (
+from relayrl.transfer.plan import (
     BucketAssembler,
     BucketChecksumError,
     BucketLayout,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.weightsync.plan import BucketAssembler, pack_bucket, plan_buckets
-from relayrl.weightsync.quant import (
+from relayrl.transfer.plan import BucketAssembler, pack_bucket, plan_buckets
+from relayrl.transfer.quant import (
     FP8_DTYPE,
     QuantMode,
     dequantize_fp8,

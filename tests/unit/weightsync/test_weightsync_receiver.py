@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+from relayrl.transfer.plan import pack_bucket, plan_buckets
+from relayrl.transfer.quant import FP8_DTYPE, dequantize_fp8
+from relayrl.transfer.receiver import ReceiveError, _tensors
 from relayrl.weightsync.coordinator import tensor_spec
-from relayrl.weightsync.plan import pack_bucket, plan_buckets
-from relayrl.weightsync.quant import FP8_DTYPE, dequantize_fp8
-from relayrl.weightsync.receiver import ReceiveError, _tensors
 from relayrl.weightsync.sender import export_tensors
 
 BUCKET = 64 * 1024

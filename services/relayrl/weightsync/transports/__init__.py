@@ -1,8 +1,11 @@
-"""Data-plane transports of weight-sync: move the buckets of a bucket plan from trainer ranks
-(senders) to engine workers (receivers).
+"""Deprecated alias of `relayrl.transfer.transports` (removed in the next release)."""
 
-`base` holds the interface (`TransportSpec`, `BucketSink`, `BucketSource`, `TransportError`)
-and the one table `TRANSPORTS` that maps a transport name to its classes; `open_sink` and
-`open_source` build them. The backends live in their own modules and are imported only when a
-spec names them, so importing this package never imports Mooncake or sets up a process group.
-"""
+import warnings
+
+from relayrl.transfer.transports import *  # noqa: F403
+
+warnings.warn(
+    "relayrl.weightsync.transports moved to relayrl.transfer.transports",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -1,0 +1,54 @@
+"""Tool-call syntax: how a policy calls a tool in its generated text,
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen2 form the chat
+template teaches), and how such calls are parsed back."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str | None
+    arguments: Any
+    # Why the call is malformed (the policy reads it); None for a well-formed call.
+    error: str | None = None
+
+
+_TOOL_CALL_BLOCK = re.compile(
+    re.escape(TOOL_CALL_OPEN) + "(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S
+)
+
+
+def _parse_block(body: str) -> ParsedToolCall:
+    try:
+        call = json.loads(body)
+    except ValueError as exc:
+        return ParsedToolCall(None, None, f"tool call is not valid JSON: {exc}")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return ParsedToolCall(None, None, "tool call needs a name and an arguments object")
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # OpenAI's wire form: arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            return ParsedToolCall(call["name"], None, f"arguments are not valid JSON: {exc}")
+    return ParsedToolCall(call["name"], arguments)
+
+
+def parse_tool_calls(text: str) -> list[ParsedToolCall]:
+    """The `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of a generation,
+    in order; malformed ones (bad JSON, no name, unclosed) carry the reason."""
+    calls, end = [], 0
+    for match in _TOOL_CALL_BLOCK.finditer(text):
+        calls.append(_parse_block(match.group(1).strip()))
+        end = match.end()
+    if TOOL_CALL_OPEN in text[end:]:
+        calls.append(ParsedToolCall(None, None, f"{TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}"))
+    return calls

@@ -1,0 +1,306 @@
+"""The seam between the gateway and an inference engine: `EngineClient`, and its real
+implementation over a vLLM server's HTTP API (`VllmEngineClient`).
+
+Token ids in, token ids out: the gateway never re-tokenises an engine's text, so multi-turn
+prompts stay byte-identical prefixes and the trainer sees exactly the tokens that were
+sampled, with their log-probs and the weight version that sampled each span.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import aiohttp
+
+PauseMode = Literal["abort", "keep", "wait"]
+
+
+# --- domain ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    # Generate max_tokens whatever the model says (benchmarks, tests of long rollouts).
+    ignore_eos: bool = False
+    # An engine-side constraint on the sampled text, in vLLM's `structured_outputs` form
+    # ({"regex": ...}, {"json": schema}, {"choice": [...]}, ...); agents steer tool calls with it.
+    structured_outputs: Mapping[str, Any] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0.0 <= self.temperature <= 100.0) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(
+                f"temperature must be in [0, 100] and top_p in (0, 1], got "
+                f"{self.temperature}, {self.top_p}"
+            )
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids is empty")
+        if not self.request_id:
+            raise ValueError("request_id must be non-empty (it routes and aborts the request)")
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Generated tokens [start, end) were sampled by weights labelled `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    request_id: str
+    token_ids: tuple[int, ...]
+    # Log-prob of each sampled token under the engine's weights (the rollout log-probs).
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop", "length", "abort"
+    version_spans: tuple[VersionSpan, ...]
+
+
+class EngineError(Exception):
+    """The engine could not serve the call."""
+
+
+class EngineUnavailable(EngineError):
+    """Unreachable, dead, or failing (5xx): an infrastructure failure, never the policy's."""
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request as malformed (4xx): the caller's mistake."""
+
+
+# --- the seam --------------------------------------------------------------------------------
+
+
+class EngineClient(abc.ABC):
+    """What the gateway needs from one engine replica."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerateRequest) -> Generation:
+        """Sample a continuation of `request.prompt_token_ids`."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True when the engine answers its health check."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop generating: abort in-flight requests, keep them frozen, or wait for them."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def is_paused(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV (it was computed by the old weights)."""
+
+    @abc.abstractmethod
+    async def weight_version(self) -> str: ...
+
+    @abc.abstractmethod
+    async def set_weight_version(self, version: str) -> None:
+        """Label the weights now loaded; spans sampled from now on carry this version."""
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def worker_rpc(self, method: str, payload: dict[str, Any]) -> list[Any]:
+        """Call a relayrl worker-extension method on every worker; one answer per worker."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+
+# --- vLLM over HTTP --------------------------------------------------------------------------
+
+
+class VllmEngineClient(EngineClient):
+    """A vLLM server started by `relayrl engine` (dev-mode RL endpoints, scale-out generate
+    endpoint, relayrl's worker extension)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str | None = None,
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = name or self.base_url
+        self._request_timeout_s = request_timeout_s
+        self._control_timeout_s = control_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), trust_env=False
+            )
+        return self._session
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self._control_timeout_s)
+        url = self.base_url + path
+        try:
+            async with self._http().request(
+                method, url, json=body, params=params, timeout=timeout
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise EngineUnavailable(f"engine {self.name}: {method} {path} failed: {exc!r}") from exc
+        if status >= 500:
+            raise EngineUnavailable(f"engine {self.name}: {path} answered {status}: {_detail(raw)}")
+        if status >= 400:
+            raise EngineRejected(f"engine {self.name}: {path} answered {status}: {_detail(raw)}")
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise EngineUnavailable(f"engine {self.name}: {path} answered invalid JSON") from exc
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        sampling = request.sampling
+        params: dict[str, Any] = {
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "logprobs": 0,  # the sampled token's own log-prob
+        }
+        if sampling.seed is not None:
+            params["seed"] = sampling.seed
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.ignore_eos:
+            params["ignore_eos"] = True
+        if sampling.structured_outputs:
+            params["structured_outputs"] = dict(sampling.structured_outputs)
+        body = {
+            "request_id": request.request_id,
+            "token_ids": list(request.prompt_token_ids),
+            "sampling_params": params,
+        }
+        answer = await self._call(
+            "POST", "/inference/v1/generate", body=body, timeout_s=self._request_timeout_s
+        )
+        return _generation(request.request_id, answer, self.name)
+
+    async def health(self) -> bool:
+        try:
+            await self._call("GET", "/health", timeout_s=5.0)
+        except EngineError:
+            return False
+        return True
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self._call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._call("GET", "/is_paused"))["is_paused"])
+
+    async def reset_prefix_cache(self) -> None:
+        await self._call("POST", "/reset_prefix_cache")
+
+    async def weight_version(self) -> str:
+        return str((await self._call("GET", "/weight_info"))["weight_version"])
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._call("POST", "/update_weight_version", body={"new_version": version})
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._call("POST", "/abort_requests", body={"request_ids": list(request_ids)})
+
+    async def worker_rpc(self, method: str, payload: dict[str, Any]) -> list[Any]:
+        if not method.startswith("relayrl_"):
+            raise ValueError(f"{method!r} is not a relayrl worker-extension method")
+        body = {"method": method, "args": [json.dumps(payload)]}
+        answer = await self._call("POST", "/collective_rpc", body=body)
+        return list(answer["results"]) if answer else []
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            # aiohttp closes connections on the next loop iteration.
+            await asyncio.sleep(0)
+
+
+def _detail(raw: bytes) -> str:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return raw[:300].decode(errors="replace")
+    if isinstance(data, dict):
+        error = data.get("error") or data.get("detail") or data
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        return str(error)[:300]
+    return str(data)[:300]
+
+
+def _generation(request_id: str, answer: Any, engine: str) -> Generation:
+    try:
+        (choice,) = answer["choices"]
+        token_ids = tuple(int(t) for t in choice["token_ids"])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = tuple(float(entry["logprob"]) for entry in content)
+        spans = tuple(
+            VersionSpan(str(span["version"]), int(span["start"]), int(span["end"]))
+            for span in choice.get("weight_versions") or []
+        )
+        finish_reason = str(choice.get("finish_reason") or "")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineUnavailable(f"engine {engine}: malformed generate answer: {exc!r}") from exc
+    if len(logprobs) != len(token_ids) or any(math.isnan(lp) for lp in logprobs):
+        raise EngineUnavailable(
+            f"engine {engine}: {len(logprobs)} log-probs for {len(token_ids)} tokens"
+        )
+    return Generation(request_id, token_ids, logprobs, finish_reason, spans)
