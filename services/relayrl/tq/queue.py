@@ -1,5 +1,9 @@
 """The TransferQueue: Redis-backed, durable record of every prompt group and trajectory.
 
+`TransferQueue` is the one client every service uses: the transitions are here; reads are
+in relayrl.tq.reads, the event streams in relayrl.tq.events, the connection and key plumbing
+in relayrl.tq.base. The state machine and its rules: docs/transferqueue.md.
+
 Every status change is one Lua script: it checks the current status, writes the new one and
 appends the transition to the partition's event stream in a single atomic step (see
 relayrl.tq.model for the state machine). Puts are idempotent: retrying a put with the same
@@ -24,12 +28,11 @@ on one shard):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -38,55 +41,29 @@ from redis.retry import Retry
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import codec
+from relayrl.tq.base import (  # noqa: F401 (the errors' old home)
+    DurabilityError,
+    TQAuthenticationError,
+    TQUnavailableError,
+    _positive_int,
+    unavailable_as_tq_error,
+)
 from relayrl.tq.config import TQConfig
-from relayrl.tq.errors import InvalidInputError, TQError, UnknownKeyError
+from relayrl.tq.errors import InvalidInputError
+from relayrl.tq.events import QueueEvents, event_from_entry  # noqa: F401 (its old home)
 from relayrl.tq.model import (
     INFRA_REWARD_STATUSES,
     ClaimedGroup,
     ClaimResult,
-    Counts,
-    Event,
     GroupStatus,
-    GroupWithTrajectories,
     PutResult,
     TrajectoryPut,
     TrajectoryStatus,
     sources_of,
 )
-from relayrl.tq.scripts import load_scripts, translate_error
+from relayrl.tq.reads import QueueReads
 
 log = logging.getLogger(__name__)
-
-
-class TQUnavailableError(TQError, ConnectionError):
-    """Redis could not be reached or did not answer in time."""
-
-
-class TQAuthenticationError(TQError):
-    """Redis refused the credentials (tq.url / tq.password_env)."""
-
-
-class DurabilityError(TQError):
-    """The Redis server is not configured for the durability the queue was promised."""
-
-
-@contextlib.contextmanager
-def unavailable_as_tq_error() -> Iterator[None]:
-    """Turns a lost or stuck Redis connection into TQUnavailableError (one clear message)."""
-    try:
-        yield
-    except redis.AuthenticationError as exc:
-        raise TQAuthenticationError(
-            f"TransferQueue Redis refused the credentials ({exc}): check tq.url and tq.password_env"
-        ) from exc
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
-
-
-def _positive_int(value: object, name: str, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _claims(claims: Mapping[str, str] | Iterable[ClaimedGroup]) -> list[tuple[str, str]]:
@@ -109,29 +86,13 @@ def _unique(keys: Iterable[str], what: str) -> list[str]:
     return keys
 
 
-class TransferQueue:
+class TransferQueue(QueueReads, QueueEvents):
     """Client of the TransferQueue. Thread-safe (one Redis connection pool); services on
     asyncio call it through `asyncio.to_thread`.
 
     Give it a client without automatic retries (from_config builds one): a retried
     claim_groups whose first reply was lost would claim a second batch. Puts, scores and consume
     are idempotent, so a caller may retry those itself."""
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        *,
-        namespace: str = "relayrl",
-        max_value_bytes: int = 32 * 1024 * 1024,
-        event_stream_max_len: int = 1_000_000,
-        durability: str = "everysec",
-    ) -> None:
-        self._redis = client
-        self._ns = namespace
-        self._max_value_bytes = max_value_bytes
-        self._event_stream_max_len = event_stream_max_len
-        self._durability = durability
-        self._scripts = load_scripts(client)
 
     @classmethod
     def from_config(cls, config: TQConfig) -> TransferQueue:
@@ -159,58 +120,6 @@ class TransferQueue:
         for partition in config.partitions:
             tq.create_partition(partition)
         return tq
-
-    @property
-    def redis(self) -> redis.Redis:
-        return self._redis
-
-    @property
-    def namespace(self) -> str:
-        return self._ns
-
-    def close(self) -> None:
-        self._redis.close()
-
-    # -- keys and script plumbing ---------------------------------------------------------
-
-    def _partitions_key(self) -> str:
-        return f"{{{self._ns}}}:partitions"
-
-    def key_prefix(self, partition: str) -> str:
-        return f"{{{self._ns}}}:p:{partition}:"
-
-    def _call(
-        self, partition: str, script: str, *args: Any, pipe: redis.client.Pipeline | None = None
-    ) -> Any:
-        codec.check_partition_name(partition)
-        argv = [self.key_prefix(partition), partition, self._event_stream_max_len, *args]
-        return self._run(partition, script, [self._partitions_key()], argv, pipe)
-
-    def _run(
-        self,
-        partition: str,
-        script: str,
-        keys: list[str],
-        argv: list[Any],
-        pipe: redis.client.Pipeline | None = None,
-    ) -> Any:
-        """Runs a script, alone or as the last command of `pipe` (whose other replies are
-        dropped); a script's error reply becomes the matching TQ exception."""
-        with unavailable_as_tq_error():
-            if pipe is None:
-                try:
-                    return self._scripts[script](keys=keys, args=argv)
-                except redis.ResponseError as exc:
-                    raise translate_error(partition, exc) from None
-            self._scripts[script](keys=keys, args=argv, client=pipe)
-            reply = pipe.execute(raise_on_error=False)[-1]
-        if isinstance(reply, redis.ResponseError):
-            raise translate_error(partition, reply) from None
-        return reply
-
-    def _pipeline_execute(self, pipe: redis.client.Pipeline) -> list[Any]:
-        with unavailable_as_tq_error():
-            return pipe.execute()
 
     # -- partitions -----------------------------------------------------------------------
 
@@ -429,192 +338,6 @@ class TransferQueue:
             raise InvalidInputError(f"after_step must be an integer >= -1, got {after_step!r}")
         return [u.decode() for u in self._call(partition, "reset_consumption", after_step)]
 
-    # -- reads ----------------------------------------------------------------------------
-
-    def get_groups(
-        self, partition: str, uids: Sequence[str], *, with_trajectories: bool = True
-    ) -> list[GroupWithTrajectories]:
-        """Reads groups (with tags) and, optionally, their written trajectories (in index order).
-        Raises UnknownKeyError for a missing group."""
-        codec.check_partition_name(partition)
-        prefix = self.key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for uid in uids:
-            pipe.hgetall(f"{prefix}g:{codec.check_uid(uid)}")
-        group_fields = self._pipeline_execute(pipe)
-        groups = []
-        for uid, fields in zip(uids, group_fields, strict=True):
-            if not fields:
-                raise UnknownKeyError(partition, uid)
-            groups.append(codec.decode_group(partition, uid, fields))
-        trajectories: list[list[common_pb2.Trajectory]] = [[] for _ in groups]
-        if with_trajectories:
-            wanted = [(n, g.uid, i) for n, g in enumerate(groups) for i in range(g.num_samples)]
-            pipe = self._redis.pipeline(transaction=False)
-            for _, uid, i in wanted:
-                pipe.hgetall(f"{prefix}t:{codec.trajectory_key(uid, i)}")
-                pipe.get(f"{prefix}td:{codec.trajectory_key(uid, i)}")
-            replies = self._pipeline_execute(pipe)
-            for (n, uid, i), fields, data in zip(wanted, replies[::2], replies[1::2], strict=True):
-                if fields:
-                    key = codec.trajectory_key(uid, i)
-                    trajectories[n].append(codec.decode_trajectory(partition, key, fields, data))
-        return [GroupWithTrajectories(g, t) for g, t in zip(groups, trajectories, strict=True)]
-
-    def groups_exist(self, partition: str, uids: Sequence[str]) -> list[bool]:
-        """Whether each uid names a group in the partition (in any status)."""
-        prefix = self.key_prefix(codec.check_partition_name(partition))
-        pipe = self._redis.pipeline(transaction=False)
-        for uid in uids:
-            pipe.exists(f"{prefix}g:{codec.check_uid(uid)}")
-        return [bool(n) for n in self._pipeline_execute(pipe)]
-
-    def get_trajectories(self, partition: str, keys: Sequence[str]) -> list[common_pb2.Trajectory]:
-        """Reads trajectories by key; raises UnknownKeyError for a missing one."""
-        codec.check_partition_name(partition)
-        prefix = self.key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
-            codec.split_trajectory_key(key)
-            pipe.hgetall(f"{prefix}t:{key}")
-            pipe.get(f"{prefix}td:{key}")
-        out = []
-        replies = self._pipeline_execute(pipe)
-        for key, fields, data in zip(keys, replies[::2], replies[1::2], strict=True):
-            if not fields:
-                raise UnknownKeyError(partition, key)
-            out.append(codec.decode_trajectory(partition, key, fields, data))
-        return out
-
-    def event_stream_length(self, partition: str) -> int:
-        """Entries in the partition's event stream (above event_stream_max_len only while a
-        consumer group has not acknowledged the oldest ones)."""
-        codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            return int(self._redis.xlen(f"{self.key_prefix(partition)}events"))
-
-    def redrive_dead_letters(
-        self, partition: str, ids: Sequence[str] | None = None, count: int = 1000
-    ) -> list[str]:
-        """Moves dead letters (all of them, up to `count`, or those with the given dead-letter
-        ids) back into the event stream as new entries, so that their consumer group reads
-        them again; returns the ids of the new entries. Atomic per call."""
-        codec.check_partition_name(partition)
-        _positive_int(count, "count")
-        prefix = self.key_prefix(partition)
-        wanted = list(ids or [])
-        raw = self._run(
-            partition,
-            "redrive",
-            [f"{prefix}events", f"{prefix}dead"],
-            [count, len(wanted), *wanted],
-        )
-        return [entry.decode() if isinstance(entry, bytes) else entry for entry in raw]
-
-    def num_dead_letters(self, partition: str) -> int:
-        """Events given up on after too many deliveries (the dead-letter stream's length)."""
-        codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            return int(self._redis.xlen(f"{self.key_prefix(partition)}dead"))
-
-    def counts(self, partition: str) -> Counts:
-        """Groups by status, trajectories by status, and the launched counter (for metrics)."""
-        codec.check_partition_name(partition)
-        prefix = self.key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for status in GroupStatus:
-            pipe.zcard(f"{prefix}gs:{status.value}")
-        pipe.hgetall(f"{prefix}tcount")
-        pipe.get(f"{prefix}launched")
-        *group_counts, traj_counts, launched = self._pipeline_execute(pipe)
-        return Counts(
-            groups=dict(zip(GroupStatus, group_counts, strict=True)),
-            trajectories={s: int(traj_counts.get(s.value.encode(), 0)) for s in TrajectoryStatus},
-            num_launched=int(launched or 0),
-        )
-
-    def staleness(
-        self,
-        partition: str,
-        step: int,
-        statuses: Iterable[GroupStatus] = (
-            GroupStatus.PENDING,
-            GroupStatus.RUNNING,
-            GroupStatus.FINISHED,
-            GroupStatus.SCORED,
-        ),
-    ) -> dict[GroupStatus, dict[int, int]]:
-        """Histogram of staleness (step - prompt_step + 1) of the groups in each status."""
-        codec.check_partition_name(partition)
-        statuses = list(statuses)
-        if GroupStatus.CONSUMED in statuses:
-            raise InvalidInputError("consumed groups have no staleness at `step`; leave them out")
-        prefix = self.key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for status in statuses:
-            pipe.zrange(f"{prefix}gs:{status.value}", 0, -1, withscores=True)
-        out = {}
-        for status, members in zip(statuses, self._pipeline_execute(pipe), strict=True):
-            out[status] = dict(sorted(Counter(step - int(s) + 1 for _, s in members).items()))
-        return out
-
-    def groups_issued_by(
-        self, partition: str, statuses: Iterable[GroupStatus], max_prompt_step: int
-    ) -> dict[GroupStatus, list[str]]:
-        """Uids of the groups in each status whose prompt_step is <= `max_prompt_step` (the
-        trainer's staleness gate: staleness > t at step s <=> prompt_step <= s - t)."""
-        codec.check_partition_name(partition)
-        statuses = list(statuses)
-        prefix = self.key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for status in statuses:
-            pipe.zrangebyscore(f"{prefix}gs:{GroupStatus(status).value}", "-inf", max_prompt_step)
-        replies = self._pipeline_execute(pipe)
-        return {
-            GroupStatus(s): [u.decode() for u in uids]
-            for s, uids in zip(statuses, replies, strict=True)
-        }
-
-    def reclaim_events(
-        self,
-        partition: str,
-        *,
-        group: str,
-        reader: str,
-        min_idle_ms: int,
-        count: int,
-        max_deliveries: int,
-    ) -> tuple[list[Event], int]:
-        """Claims for `reader` the entries of consumer group `group` idle for `min_idle_ms`,
-        moving those delivered `max_deliveries` times to the dead-letter stream. Returns the
-        claimed events and the number dead-lettered. (EventConsumer.read calls this.)"""
-        prefix = self.key_prefix(codec.check_partition_name(partition))
-        raw = self._run(
-            partition,
-            "reclaim",
-            [f"{prefix}events", f"{prefix}dead"],
-            [group, reader, min_idle_ms, count, max_deliveries],
-        )
-        events = []
-        for i in range(1, len(raw), 3):
-            fields = dict(zip(raw[i + 2][::2], raw[i + 2][1::2], strict=True))
-            events.append(event_from_entry(raw[i], fields, deliveries=int(raw[i + 1])))
-        return events, int(raw[0])
-
-    def read_events(self, partition: str, start: str = "-", count: int = 1000) -> list[Event]:
-        """The partition's transition log from `start` (an event id, inclusive)."""
-        codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            entries = self._redis.xrange(f"{self.key_prefix(partition)}events", start, "+", count)
-        return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
-
-    def last_events(self, partition: str, count: int = 20) -> list[Event]:
-        """The partition's last `count` transitions, oldest first."""
-        codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            entries = self._redis.xrevrange(f"{self.key_prefix(partition)}events", count=count)
-        return [event_from_entry(entry_id, fields) for entry_id, fields in reversed(entries)]
-
     def check_durability(self) -> None:
         """Raises DurabilityError unless the server runs with AOF and the configured fsync policy.
         A server that hides CONFIG (managed Redis) gets a warning instead; so does every server
@@ -647,18 +370,3 @@ def _put_result(keys: list[str], flags: list[int]) -> PutResult:
     created = [k for k, f in zip(keys, flags, strict=True) if f]
     duplicates = [k for k, f in zip(keys, flags, strict=True) if not f]
     return PutResult(created, duplicates)
-
-
-def event_from_entry(
-    entry_id: bytes | str, fields: Mapping[bytes, bytes], deliveries: int = 1
-) -> Event:
-    decoded = {k.decode(): v.decode() for k, v in fields.items()}
-    return Event(
-        id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
-        kind=decoded.pop("kind", ""),
-        key=decoded.pop("key", ""),
-        from_status=decoded.pop("from", ""),
-        to_status=decoded.pop("to", ""),
-        deliveries=deliveries,
-        extra=decoded,
-    )

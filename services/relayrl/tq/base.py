@@ -1,0 +1,117 @@
+"""The TransferQueue's connection to Redis and its key layout, shared by the read, event and
+transition sides of the client (relayrl.tq.queue.TransferQueue puts them together)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+from relayrl.tq import codec
+from relayrl.tq.errors import InvalidInputError, TQError
+from relayrl.tq.scripts import load_scripts, translate_error
+
+
+class TQUnavailableError(TQError, ConnectionError):
+    """Redis could not be reached or did not answer in time."""
+
+
+class TQAuthenticationError(TQError):
+    """Redis refused the credentials (tq.url / tq.password_env)."""
+
+
+class DurabilityError(TQError):
+    """The Redis server is not configured for the durability the queue was promised."""
+
+
+@contextlib.contextmanager
+def unavailable_as_tq_error() -> Iterator[None]:
+    """Turns a lost or stuck Redis connection into TQUnavailableError (one clear message)."""
+    try:
+        yield
+    except redis.AuthenticationError as exc:
+        raise TQAuthenticationError(
+            f"TransferQueue Redis refused the credentials ({exc}): check tq.url and tq.password_env"
+        ) from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
+
+
+def _positive_int(value: object, name: str, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class QueueBase:
+    """Redis, the namespace's keys and the Lua scripts every operation goes through."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        namespace: str = "relayrl",
+        max_value_bytes: int = 32 * 1024 * 1024,
+        event_stream_max_len: int = 1_000_000,
+        durability: str = "everysec",
+    ) -> None:
+        self._redis = client
+        self._ns = namespace
+        self._max_value_bytes = max_value_bytes
+        self._event_stream_max_len = event_stream_max_len
+        self._durability = durability
+        self._scripts = load_scripts(client)
+
+    @property
+    def redis(self) -> redis.Redis:
+        return self._redis
+
+    @property
+    def namespace(self) -> str:
+        return self._ns
+
+    def close(self) -> None:
+        self._redis.close()
+
+    # -- keys and script plumbing ---------------------------------------------------------
+
+    def _partitions_key(self) -> str:
+        return f"{{{self._ns}}}:partitions"
+
+    def key_prefix(self, partition: str) -> str:
+        return f"{{{self._ns}}}:p:{partition}:"
+
+    def _call(
+        self, partition: str, script: str, *args: Any, pipe: redis.client.Pipeline | None = None
+    ) -> Any:
+        codec.check_partition_name(partition)
+        argv = [self.key_prefix(partition), partition, self._event_stream_max_len, *args]
+        return self._run(partition, script, [self._partitions_key()], argv, pipe)
+
+    def _run(
+        self,
+        partition: str,
+        script: str,
+        keys: list[str],
+        argv: list[Any],
+        pipe: redis.client.Pipeline | None = None,
+    ) -> Any:
+        """Runs a script, alone or as the last command of `pipe` (whose other replies are
+        dropped); a script's error reply becomes the matching TQ exception."""
+        with unavailable_as_tq_error():
+            if pipe is None:
+                try:
+                    return self._scripts[script](keys=keys, args=argv)
+                except redis.ResponseError as exc:
+                    raise translate_error(partition, exc) from None
+            self._scripts[script](keys=keys, args=argv, client=pipe)
+            reply = pipe.execute(raise_on_error=False)[-1]
+        if isinstance(reply, redis.ResponseError):
+            raise translate_error(partition, reply) from None
+        return reply
+
+    def _pipeline_execute(self, pipe: redis.client.Pipeline) -> list[Any]:
+        with unavailable_as_tq_error():
+            return pipe.execute()
