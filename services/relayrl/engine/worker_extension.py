@@ -13,9 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from relayrl.transfer.request import ReceiveRequest
+    from relayrl.transfer.transports.base import KeptResources
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -27,7 +31,8 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 
 INITIAL_WEIGHTS = ""
-"""What a worker holds before any load: the weights it started from (its model folder)."""
+"""What a worker holds before any load: the weights it started from (its model folder); the
+same value as `relayrl.transfer.request.INITIAL_WEIGHTS`, which this module does not import."""
 
 
 class RelayrlWorkerExtension:
@@ -137,16 +142,17 @@ class RelayrlWorkerExtension:
         return {"loaded": names}
 
     def relayrl_receive(self, request_json: str) -> dict[str, Any]:
-        """Receive a weight-sync version and load it in place (`receive_tensors` documents
-        the request: the plan's target and digest, the data plane, and for a broadcast data
-        plane the spec and this replica's first receiver rank, to which the worker's rank is
-        added). Buckets stream straight into the reload path (see `relayrl_load_tensors` for
-        why reload, not load); returns the loaded buckets' sha256 in plan order, which the
-        coordinator compares with what the senders pushed. The weight-sync receiver (and gRPC
-        with it) is imported only here, when a version arrives."""
-        from relayrl.transfer.receiver import receive_tensors
+        """Receive a weight-sync version and load it in place (the request is a
+        `relayrl.transfer.request.ReceiveRequest` as JSON: the plan's target and digest, the
+        data plane, and for a broadcast data plane the spec and this replica's first receiver
+        rank, to which the worker's rank is added; ValueError says what is wrong with one that
+        cannot be used). Buckets stream straight into the reload path (see
+        `relayrl_load_tensors` for why reload, not load); returns the loaded buckets' sha256 in
+        plan order, which the coordinator compares with what the senders pushed. The receiver
+        (and gRPC with it) is imported only here, when a version arrives."""
+        from relayrl.transfer.receiver import ReceiveRequest, receive_tensors
 
-        request = json.loads(request_json)
+        request = ReceiveRequest.from_json(request_json)
         stats: dict[str, Any] = {}
         dtype = next(self._relayrl_model().parameters()).dtype
         tensors = receive_tensors(
@@ -154,12 +160,12 @@ class RelayrlWorkerExtension:
             stats,
             dtype=dtype,
             worker_rank=int(getattr(self, "rank", 0)),
-            resources=self._relayrl_data_plane_resources(request),
+            resources=self._relayrl_kept_resources(request),
             engine_fp8=self._relayrl_fp8_checkpoint_format(),
         )
         self._relayrl_set_holds(None)
         self._relayrl_reload(tensors)
-        self._relayrl_set_holds(str(request["transfer_id"]))
+        self._relayrl_set_holds(request.transfer_id)
         return stats
 
     def _relayrl_fp8_checkpoint_format(self) -> str | None:
@@ -175,24 +181,18 @@ class RelayrlWorkerExtension:
             return "per_tensor"
         return "block_128" if list(block) == [128, 128] else f"block_{'x'.join(map(str, block))}"
 
-    def _relayrl_data_plane_resources(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One Mooncake engine per worker, kept across versions (starting and stopping one per
-        transfer costs about a second)."""
-        if request.get("transport") != "mooncake":
-            return {}
-        from relayrl.transfer.transports.base import TransportSpec, local_address_towards
-        from relayrl.transfer.transports.mooncake import MooncakeEngine
+    def _relayrl_kept_resources(self, request: ReceiveRequest) -> KeptResources:
+        """What this worker keeps across versions (one Mooncake engine: starting and stopping
+        one per transfer costs about a second), set up before the model is touched, so that a
+        data plane that cannot start leaves the model whole."""
+        from relayrl.transfer.transports.base import KeptResources
 
-        engine = getattr(self, "_relayrl_mooncake", None)
-        if engine is None:
-            spec = TransportSpec.from_json(request["spec"])
-            engine = MooncakeEngine(
-                local_address_towards(spec.rendezvous_address[0]),
-                protocol=spec.mooncake_protocol,
-                device_name=spec.mooncake_device_name,
-            )
-            self._relayrl_mooncake = engine
-        return {"engine": engine}
+        kept = getattr(self, "_relayrl_kept", None)
+        if kept is None:
+            kept = self._relayrl_kept = KeptResources("source")
+        if request.spec is not None:
+            kept.for_spec(request.spec)
+        return kept
 
     def relayrl_ping(self, request_json: str = "{}") -> dict[str, Any]:
         """Liveness of the extension itself (it is loaded, and this worker answers) and the

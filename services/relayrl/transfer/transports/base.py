@@ -40,7 +40,7 @@ import time
 from collections import deque
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, Self
 
 import torch
 
@@ -441,6 +441,12 @@ class _Endpoint(abc.ABC):
     def _dispose(self) -> None:  # noqa: B027 - a hook: most backends have nothing slow
         """At close, after `_finish` or `_abort`: release what is slow to release."""
 
+    @classmethod
+    def kept_resources(cls, spec: TransportSpec) -> dict[str, Any]:
+        """What a process that uses this backend often keeps across transfers, as keyword
+        arguments of `open_sink` / `open_source` (see `KeptResources`); none by default."""
+        return {}
+
 
 class BucketSink(_Endpoint):
     """Sender side of one transfer: `send` this sender's buckets in plan order, then `close`."""
@@ -542,3 +548,29 @@ def open_source(spec: TransportSpec, receiver_rank: int, **resources: Any) -> Bu
     _, source_path = TRANSPORTS[spec.type]
     source_class = import_object(source_path, what=f"{spec.type} transport")
     return source_class(spec, receiver_rank, **resources)
+
+
+class KeptResources:
+    """What one process (weight-sync, an engine worker) keeps across transfers, per backend:
+    built by the backend's `kept_resources` on the first transfer that names it (Mooncake: one
+    engine, which costs about a second to stop), passed to every later one, closed by `close`."""
+
+    def __init__(self, role: Literal["sink", "source"]) -> None:
+        self._role = role
+        self._by_type: dict[str, dict[str, Any]] = {}
+
+    def for_spec(self, spec: TransportSpec) -> dict[str, Any]:
+        """The keyword arguments for `open_sink` / `open_source` of `spec`."""
+        kept = self._by_type.get(spec.type)
+        if kept is None:
+            sink_path, source_path = TRANSPORTS[spec.type]
+            path = sink_path if self._role == "sink" else source_path
+            backend = import_object(path, what=f"{spec.type} transport")
+            kept = self._by_type[spec.type] = backend.kept_resources(spec)
+        return kept
+
+    def close(self) -> None:
+        for kept in self._by_type.values():
+            for resource in kept.values():
+                resource.close()
+        self._by_type.clear()

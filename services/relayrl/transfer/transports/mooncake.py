@@ -311,6 +311,16 @@ class _MooncakeEndpoint:
             ) from exc
         return None
 
+    @classmethod
+    def kept_resources(cls, spec: TransportSpec) -> dict[str, Any]:
+        """One engine for the process (destroying one costs about a second)."""
+        engine = MooncakeEngine(
+            local_address_towards(spec.rendezvous_address[0]),
+            protocol=spec.mooncake_protocol,
+            device_name=spec.mooncake_device_name,
+        )
+        return {"engine": engine}
+
     def _use_engine(self, engine: MooncakeEngine | None) -> MooncakeEngine:
         """The caller's engine (reserved for this transfer), or a new one of our own."""
         spec = self.spec

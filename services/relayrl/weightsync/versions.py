@@ -1,0 +1,364 @@
+"""The record of versions: every transfer weight-sync knows (planned from the senders'
+manifests, its buckets as they arrive), which one is committed, and what commit and failure
+mean for that record -- the committed version is written to `state_dir` before anyone is told,
+only the latest stays in host memory, and every finished transfer is one line of `metrics_log`.
+
+The boundaries a version crosses (export, transport, switch, load, restore) are named by
+`SyncError`; see `relayrl.weightsync.coordinator` for the switch that moves a transfer from
+complete to committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+from relayrl.transfer.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
+from relayrl.transfer.request import INITIAL_WEIGHTS
+from relayrl.weightsync.config import WeightSyncConfig
+from relayrl.weightsync.metrics import WeightSyncMetrics
+from relayrl.weightsync.state import CommittedStore, StoredVersion
+
+TRANSPORT_TYPES = {
+    "grpc": pb.TRANSPORT_TYPE_GRPC,
+    "torch_distributed": pb.TRANSPORT_TYPE_TORCH_DISTRIBUTED,
+    "mooncake": pb.TRANSPORT_TYPE_MOONCAKE,
+}
+
+logger = logging.getLogger(__name__)
+
+
+class SyncError(Exception):
+    """A failure at one boundary; `boundary` names it (export, transport, switch, load,
+    restore) so that an operator knows where to look."""
+
+    def __init__(self, boundary: str, message: str) -> None:
+        super().__init__(f"{boundary}: {message}")
+        self.boundary = boundary
+
+
+class PlanMismatch(ValueError):
+    """A sender's manifest or a receiver's plan differs from the transfer's."""
+
+
+def tensor_spec(meta: common_pb2.TensorMeta) -> TensorSpec:
+    """A sender's manifest entry as the planner sees it (ValueError says what is wrong)."""
+    if not meta.name:
+        raise ValueError("every tensor needs a name")
+    if any(d < 0 for d in meta.shape):
+        raise ValueError(f"tensor {meta.name!r}: negative dimension in {list(meta.shape)}")
+    piece = Piece.from_proto(meta)  # checks dtype and quantization
+    return TensorSpec(
+        meta.name, tuple(meta.shape), piece.dtype, piece.quantization, piece.scale_name
+    )
+
+
+def manifest_digest(metas: Sequence[common_pb2.TensorMeta]) -> str:
+    digest = hashlib.sha256()
+    for m in metas:
+        digest.update(
+            f"{m.name}|{list(m.shape)}|{m.dtype}|{m.quantization}|{m.scale_name};".encode()
+        )
+    return digest.hexdigest()
+
+
+@dataclass
+class Transfer:
+    transfer_id: str
+    version: int
+    trainer_step: int
+    metas: list[common_pb2.TensorMeta]
+    manifest: str
+    layouts: list[BucketLayout]
+    plan_digest: str
+    buckets: list[bytes | None]
+    sha256: list[str]
+    state: int = pb.TRANSFER_STATE_PLANNED
+    error: str = ""
+    replica_ids: list[str] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+    # Seconds per boundary of this transfer (load and restore: the slowest replica).
+    durations_s: dict[str, float] = field(default_factory=dict)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.size_bytes for b in self.layouts)
+
+    def plan_proto(self, bucket_size_bytes: int, transport: str) -> pb.BucketPlan:
+        """The plan as senders and receivers see it; `transport` is the data plane from this
+        service to the engines (senders always push over gRPC)."""
+        buckets = []
+        for layout in self.layouts:
+            buckets.append(
+                pb.Bucket(
+                    index=layout.index,
+                    size_bytes=layout.size_bytes,
+                    tensors=[piece.to_proto() for piece in layout.pieces],
+                )
+            )
+        return pb.BucketPlan(
+            transfer_id=self.transfer_id,
+            version=self.version,
+            bucket_size_bytes=bucket_size_bytes,
+            transport=TRANSPORT_TYPES[transport],
+            buckets=buckets,
+            replica_ids=self.replica_ids,
+            state=self.state,
+            error=self.error,
+        )
+
+
+class Versions:
+    """Every transfer and the committed one. `spawn` runs a background coroutine (the deadline
+    of a transfer's buckets) under the coordinator's care."""
+
+    def __init__(
+        self,
+        config: WeightSyncConfig,
+        metrics: WeightSyncMetrics,
+        *,
+        spawn: Callable[[Awaitable[Any]], None],
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._spawn = spawn
+        self.transfers: dict[str, Transfer] = {}
+        self.by_version: dict[int, Transfer] = {}
+        self.committed: Transfer | None = None
+        self._store = CommittedStore(config.state_dir) if config.state_dir else None
+        if self._store is not None:
+            stored = self._store.load()  # StateError (one line) when unusable
+            if stored is not None:
+                self._restore(stored)
+        else:
+            logger.warning(
+                "no state_dir: the committed version lives in memory only, and a restarted "
+                "weight-sync cannot bring new engines to it until the trainer publishes again"
+            )
+
+    def _restore(self, stored: StoredVersion) -> None:
+        transfer = Transfer(
+            transfer_id=stored.transfer_id,
+            version=stored.version,
+            trainer_step=stored.trainer_step,
+            metas=stored.metas,
+            manifest=manifest_digest(stored.metas),
+            layouts=stored.layouts,
+            plan_digest=stored.plan_digest,
+            buckets=list(stored.buckets),
+            sha256=stored.sha256,
+            state=pb.TRANSFER_STATE_COMMITTED,
+        )
+        transfer.complete.set()
+        transfer.done.set()
+        self.transfers[transfer.transfer_id] = transfer
+        self.by_version[transfer.version] = transfer
+        self.committed = transfer
+        self._metrics.committed_version.set(transfer.version)
+
+    @property
+    def committed_version(self) -> int:
+        return self.committed.version if self.committed else 0
+
+    @property
+    def committed_id(self) -> str:
+        """The transfer every serving replica holds ("" before the first commit)."""
+        return self.committed.transfer_id if self.committed else INITIAL_WEIGHTS
+
+    # -- publish and push -----------------------------------------------------------------
+
+    def publish(
+        self,
+        version: int,
+        trainer_step: int,
+        metas: Sequence[common_pb2.TensorMeta],
+        *,
+        supersede: bool = False,
+    ) -> Transfer:
+        """The plan of `version`: created by the first sender, the same for every other one
+        (whose manifest must match exactly). Versions only go forward, unless `supersede`
+        (a trainer resumed from an older checkpoint) replaces a newer committed one."""
+        if version < self.committed_version and not supersede:
+            raise ValueError(
+                f"version {version} is older than the committed version "
+                f"{self.committed_version}; a trainer that resumed from an older checkpoint "
+                "publishes its weights with supersede"
+            )
+        if not metas:
+            raise ValueError("a version needs at least one tensor")
+        manifest = manifest_digest(metas)
+        existing = self.by_version.get(version)
+        if existing is not None and existing.state not in (
+            pb.TRANSFER_STATE_FAILED,
+            pb.TRANSFER_STATE_COMMITTED,
+        ):
+            if existing.manifest != manifest:
+                raise PlanMismatch(
+                    f"version {version}: this sender's manifest differs from the transfer's "
+                    f"({existing.transfer_id}); every trainer rank must export the same tensors"
+                )
+            return existing
+        specs = [tensor_spec(m) for m in metas]
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("tensor names must be unique within a version")
+        layouts = plan_buckets(specs, self._config.bucket_size_bytes)
+        transfer = Transfer(
+            transfer_id=f"v{version}-{uuid.uuid4().hex[:8]}",
+            version=version,
+            trainer_step=trainer_step,
+            metas=list(metas),
+            manifest=manifest,
+            layouts=layouts,
+            plan_digest=plan_digest(layouts),
+            buckets=[None] * len(layouts),
+            sha256=[""] * len(layouts),
+        )
+        self.transfers[transfer.transfer_id] = transfer
+        self.by_version[version] = transfer
+        self._spawn(self._expire(transfer))
+        self._metrics.transfers.labels("planned").inc()
+        logger.info(
+            "version %d: %d tensors, %d buckets, %d bytes (%s)",
+            version, len(metas), len(layouts), transfer.num_bytes, transfer.transfer_id,
+        )  # fmt: skip
+        return transfer
+
+    def plan_proto(self, transfer: Transfer) -> pb.BucketPlan:
+        return transfer.plan_proto(
+            self._config.bucket_size_bytes, self._config.data_plane.transport
+        )
+
+    def transfer(self, transfer_id: str) -> Transfer:
+        try:
+            return self.transfers[transfer_id]
+        except KeyError:
+            raise KeyError(f"unknown transfer {transfer_id!r}") from None
+
+    def put_bucket(self, transfer_id: str, index: int, data: bytes, sha256: str) -> bool:
+        """Keeps one bucket a sender pushed; whether it completed its transfer."""
+        transfer = self.transfer(transfer_id)
+        if transfer.state == pb.TRANSFER_STATE_FAILED:
+            raise SyncError("transport", f"transfer {transfer_id} already failed: {transfer.error}")
+        if not 0 <= index < len(transfer.layouts):
+            raise PlanMismatch(
+                f"bucket {index} is not in the plan of {transfer_id} "
+                f"({len(transfer.layouts)} buckets)"
+            )
+        expected = transfer.layouts[index].size_bytes
+        if len(data) != expected:
+            raise PlanMismatch(
+                f"bucket {index} of {transfer_id}: {len(data)} bytes, the plan says {expected}"
+            )
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256:
+            self._metrics.failures.labels("transport").inc()
+            raise SyncError(
+                "transport", f"bucket {index} of {transfer_id}: checksum mismatch (corrupted)"
+            )
+        transfer.buckets[index] = data
+        transfer.sha256[index] = actual
+        self._metrics.bytes.labels("grpc").inc(len(data))
+        if transfer.state == pb.TRANSFER_STATE_PLANNED:
+            transfer.state = pb.TRANSFER_STATE_TRANSFERRING
+        if all(b is not None for b in transfer.buckets) and not transfer.complete.is_set():
+            transfer.complete.set()
+            self.observe(transfer, "transport", time.monotonic() - transfer.created)
+            return True
+        return False
+
+    async def _expire(self, transfer: Transfer) -> None:
+        try:
+            await asyncio.wait_for(transfer.complete.wait(), self._config.transfer_timeout_s)
+        except TimeoutError:
+            missing = [i for i, b in enumerate(transfer.buckets) if b is None]
+            self.fail(
+                transfer,
+                SyncError(
+                    "transport",
+                    f"{transfer.transfer_id}: buckets {missing[:8]} did not arrive within "
+                    f"{self._config.transfer_timeout_s:.0f}s",
+                ),
+            )
+
+    # -- outcomes -------------------------------------------------------------------------
+
+    def observe(self, transfer: Transfer, boundary: str, seconds: float) -> None:
+        self._metrics.boundary_duration.labels(boundary).observe(seconds)
+        transfer.durations_s[boundary] = max(seconds, transfer.durations_s.get(boundary, 0.0))
+
+    def _log_transfer(self, transfer: Transfer, state: str) -> None:
+        """One line of `metrics_log` per finished transfer (never fails the transfer)."""
+        path = self._config.metrics_log
+        if path is None:
+            return
+        record = {
+            "version": transfer.version,
+            "trainer_step": transfer.trainer_step,
+            "state": state,
+            "transport": self._config.data_plane.transport,
+            "bytes": transfer.num_bytes,
+            "replicas": list(transfer.replica_ids),
+            "durations_s": {k: round(v, 6) for k, v in transfer.durations_s.items()},
+            "error": transfer.error,
+            "time": time.time(),
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as log:
+                log.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as exc:
+            logger.warning("cannot write metrics_log %s: %s", path, exc)
+
+    def fail(self, transfer: Transfer, error: SyncError) -> None:
+        transfer.state, transfer.error = pb.TRANSFER_STATE_FAILED, str(error)
+        transfer.buckets = [None] * len(transfer.layouts)  # free the host memory
+        self._metrics.failures.labels(error.boundary).inc()
+        self._metrics.transfers.labels("failed").inc()
+        transfer.done.set()
+        self._log_transfer(transfer, "failed")
+        logger.error("%s", error)
+
+    async def commit(self, transfer: Transfer) -> None:
+        """Keeps the version in state_dir (before anyone is told), then makes it the one
+        late joiners get; SyncError('restore') when it cannot be kept."""
+        if self._store is not None:
+            start = time.monotonic()
+            try:
+                await asyncio.to_thread(
+                    self._store.save,
+                    version=transfer.version,
+                    trainer_step=transfer.trainer_step,
+                    transfer_id=transfer.transfer_id,
+                    metas=transfer.metas,
+                    plan=self.plan_proto(transfer),
+                    buckets=[b for b in transfer.buckets if b is not None],
+                    sha256=transfer.sha256,
+                )
+            except OSError as exc:
+                raise SyncError(
+                    "restore",
+                    f"cannot keep version {transfer.version} in {self._store.directory}: {exc}",
+                ) from exc
+            self.observe(transfer, "restore", time.monotonic() - start)
+        previous = self.committed
+        transfer.state = pb.TRANSFER_STATE_COMMITTED
+        self.committed = transfer
+        if previous is not None and previous is not transfer:
+            previous.buckets = [None] * len(previous.layouts)  # only the latest stays in memory
+        self._metrics.committed_version.set(transfer.version)
+        self._metrics.transfers.labels("committed").inc()
+        transfer.done.set()
+        self._log_transfer(transfer, "committed")
+        logger.info("version %d committed on %s", transfer.version, transfer.replica_ids)
