@@ -7,7 +7,7 @@ What runs, per design, all real processes on loopback:
     (throttle launched < (v + 1 + eta) * B, one single-turn rollout per group),
     relayrl-weightsync (pause mode keep: in-flight rollouts freeze during a switch and continue
     on the new version — partial rollout), relayrl-trainer (sync, or separate_async with eta);
-    and, in place of vLLM, the engine emulator (`python -m relayrl.engine.emulator`), whose
+    and, in place of vLLM, the engine emulator (`python -m relayrl_testkit.emulator`), whose
     i-th generate request takes episode i of the simulator's duration model times the time
     scale, and whose weight load really pulls the version from weight-sync, then takes the
     scaled sync time.
@@ -46,10 +46,14 @@ from typing import Any
 
 import numpy as np
 
+from relayrl.core.config import LoggingConfig
 from relayrl.core.service_process import ServiceProcess, console_script
 from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.sim.durations import EpisodeModel
 from relayrl.sim.pipeline import PipelineConfig, SimResult, simulate
+from relayrl.stack import SERVICES, EngineDiscovery, RolloutShape, StackConfig, Wiring
+from relayrl.stack.local import LocalPorts
+from relayrl.tq.config import TQConfig
 from relayrl.tq.server import RedisServer, free_port
 
 PARTITION = "train"
@@ -121,14 +125,14 @@ def write_prompts(path: Path, count: int) -> Path:
 
 
 class EmulatorProcess:
-    """`python -m relayrl.engine.emulator` as a child process, stopped by PID."""
+    """`python -m relayrl_testkit.emulator` as a child process, stopped by PID."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path, vocab_size: int) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.ready = workdir / "ready.json"
         self.log = workdir / "requests.jsonl"
         self.argv = [
-            sys.executable, "-m", "relayrl.engine.emulator",
+            sys.executable, "-m", "relayrl_testkit.emulator",
             "--port", "0", "--ready-file", str(self.ready), "--log", str(self.log),
             "--time-scale", str(args.scale), "--seed", str(args.seed),
             "--sync-time-s", str(args.sync_time_s), "--vocab-size", str(vocab_size),
@@ -164,82 +168,61 @@ class EmulatorProcess:
             self.process.wait(timeout=10)
 
 
-def service_configs(
+def compose_stack(
     args: argparse.Namespace, design: Design, redis_url: str, model_dir: Path, engine: str,
     root: Path,
-) -> dict[str, dict[str, Any]]:  # fmt: skip
-    ports = {name: (free_port(), free_port()) for name in ("reward", "gateway", "weightsync")}
-    ports["trainer"] = (free_port(), free_port())
-
-    def base(name: str) -> dict[str, Any]:
-        grpc_port, metrics_port = ports[name]
-        return {
-            "grpc": {"host": "127.0.0.1", "port": grpc_port},
-            "metrics": {"host": "127.0.0.1", "port": metrics_port},
-            "logging": {"json": True, "level": "WARNING"},
-        }
-
-    tq = {"url": redis_url, "namespace": NAMESPACE, "partitions": [PARTITION]}
-    gateway_target = f"127.0.0.1:{ports['gateway'][0]}"
-    return {
-        "reward": {
-            **base("reward"),
-            "tq": tq,
-            "tq_scorer": {"enabled": True, "partitions": [PARTITION], "reclaim_idle_s": 10},
-        },
+) -> StackConfig:  # fmt: skip
+    """The system as `relayrl up` wires it (relayrl.stack), with this benchmark's own knobs:
+    the emulated update, one rollout per group, no DAPO filter, no stale drops."""
+    wiring = Wiring(
+        tq=TQConfig(url=redis_url, namespace=NAMESPACE, partitions=[PARTITION]),
+        partition=PARTITION,
+        model_path=model_dir,
+        rollout=RolloutShape(
+            mode=design.mode,
+            eta=design.eta,
+            batch_groups=args.batch_size,
+            samples_per_prompt=1,
+            max_tokens=args.max_tokens,
+        ),
+        endpoints=LocalPorts.choose().endpoints(),
+        engines=EngineDiscovery(urls=[engine]),
+        logging=LoggingConfig(json=True, level="WARNING"),
+    )
+    own: dict[str, dict[str, Any]] = {
+        "reward": {"tq_scorer": {"reclaim_idle_s": 10}},
         "gateway": {
-            **base("gateway"),
-            "tq": tq,
-            "tokenizer": str(model_dir),
-            "engines": {"urls": [engine], "health_interval_s": 1.0},
-            "rollout": {
-                "partitions": [PARTITION],
-                "eta": float(design.eta),
-                "batch_size": args.batch_size,
-                "max_inflight_groups": args.slots,
-                "max_response_tokens": args.max_tokens,
-                "claimer": "gateway-0",
-            },
+            "engines": {"health_interval_s": 1.0},
+            "rollout": {"max_inflight_groups": args.slots, "claimer": "gateway-0"},
             "agent_http": {"enabled": False},
+            "weightsync": {"default_timeout_s": 30},
         },
         "weightsync": {
-            **base("weightsync"),
-            "engines": {"urls": [engine], "load_timeout_s": 120},
+            "engines": {"load_timeout_s": 120},
             "pause_mode": design.pause_mode,
             "metrics_log": str(root / "transfers.jsonl"),
-            "gateway": {"target": gateway_target, "default_timeout_s": 30},
+            "gateway": {"default_timeout_s": 30},
         },
         "trainer": {
-            **base("trainer"),
-            "tq": tq,
-            "model": {"hf_dir": str(model_dir), "max_seq_len": 256},
+            "model": {"max_seq_len": 256},
             "algorithm": {
-                "mode": design.mode,
-                "eta": design.eta,
-                "train_batch_groups": args.batch_size,
                 "dapo_filter": False,
                 # The simulator does not drop stale rollouts (the seed's figures do not).
                 "staleness": {"policy": "drop", "threshold": 64},
             },
             "data": {
                 "prompts_file": str(write_prompts(root / "prompts.jsonl", 4 * args.batch_size)),
-                "partition": PARTITION,
-                "samples_per_prompt": 1,
-                "max_tokens": args.max_tokens,
                 "poll_interval_s": 0.005,
                 "wait_timeout_s": 600,
             },
-            "publish": {
-                "type": "weightsync",
-                "target": f"127.0.0.1:{ports['weightsync'][0]}",
-                "wait_for_commit": True,
-            },
-            "gateway": {"target": gateway_target, "default_timeout_s": 30},
+            "publish": {"wait_for_commit": True},
+            "gateway": {"default_timeout_s": 30},
             "emulated_update_s": args.train_time_s * args.scale,
             "total_steps": args.steps,
             "metrics_log": str(root / "steps.jsonl"),
         },
     }
+    return StackConfig.compose(wiring, own=own)
 
 
 def run_real(
@@ -253,10 +236,12 @@ def run_real(
         children.append(redis)
         emulator = EmulatorProcess(args, root / "engine", vocab_size).start()
         children.append(emulator)
-        configs = service_configs(args, design, redis.url, model_dir, emulator.url, root)
+        stack = compose_stack(args, design, redis.url, model_dir, emulator.url, root)
         services = {}
-        for name in ("reward", "gateway", "weightsync", "trainer"):
-            services[name] = ServiceProcess(f"relayrl-{name}", configs[name], root / name)
+        for name in SERVICES:
+            services[name] = ServiceProcess(
+                f"relayrl-{name}", stack.service_file(name), root / name
+            )
             services[name].start(timeout_s=180)
             children.append(services[name])
         trainer = services["trainer"]

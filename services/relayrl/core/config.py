@@ -482,8 +482,11 @@ def _describe_errors(
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message += _known_fields_hint(model_cls, loc[:-1])
-        dotted = ".".join(str(part) for part in loc) or "(top level)"
-        lines.append(f"{_source_of(loc, file_label, sources)}: {dotted}: {message}")
+        source = _source_of(loc, file_label, sources)
+        if loc:
+            lines.append(f"{source}: {'.'.join(str(part) for part in loc)}: {message}")
+        else:  # a check across sections: its message names the fields
+            lines.append(f"{source}: {message}")
     return "; ".join(lines)
 
 
@@ -595,3 +598,14 @@ def _check_tokens(mapping: Any, label: str) -> dict[str, str]:
             )
         seen[token] = principal
     return dict(mapping)
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into a copy of `base`: nested dicts merge, anything else replaces."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from relayrl.core.config import StrictModel
+from relayrl.core.config import StrictModel, deep_merge  # noqa: F401 (deep_merge: its old home)
 from relayrl.models.config import TinyModelConfig
 
 Mode = Literal["sync", "colocate_async", "separate_async"]
@@ -174,8 +174,11 @@ class SupervisionSection(StrictModel):
 
 
 class ServicesSection(StrictModel):
-    """Fields merged over the generated config of each service (deep merge; the service
-    validates the result). Ports, addresses and paths are set by `relayrl up`."""
+    """Fields merged over the generated config of each service (deep merge). The composed
+    system (relayrl.stack) is checked when this file is read, before anything starts: a field
+    a service does not have, a bad value, or an override that breaks what the services share
+    (ports, addresses, the queue, eta and batch size set by `relayrl up`) is an error naming
+    the field."""
 
     trainer: dict[str, Any] = Field(default_factory=dict, description="relayrl-trainer fields.")
     gateway: dict[str, Any] = Field(default_factory=dict, description="relayrl-gateway fields.")
@@ -205,13 +208,9 @@ class UpConfig(StrictModel):
         default_factory=ServicesSection, description="Pass-through service fields."
     )
 
+    @model_validator(mode="after")
+    def _services_compose(self) -> UpConfig:
+        from relayrl.up.wiring import check_up_stack
 
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """`over` merged into a copy of `base`: nested dicts merge, anything else replaces."""
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
+        check_up_stack(self)
+        return self

@@ -36,17 +36,18 @@ from typing import Any
 from relayrl.core.service_process import ServiceProcess
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
-from relayrl.tq.server import RedisServer, free_port
-from relayrl.up.config import UpConfig, deep_merge
-from relayrl.up.prepare import RunFiles, max_tokens
+from relayrl.stack import SERVICES, StackConfig
+from relayrl.stack.local import LocalPorts
+from relayrl.tq.server import RedisServer
+from relayrl.up.config import UpConfig
+from relayrl.up.prepare import RunFiles
+from relayrl.up.wiring import NAMESPACE, PARTITION, up_stack
 
 logger = logging.getLogger(__name__)
 
-SERVICES = ("reward", "gateway", "weightsync", "trainer")
 # Start order; stop order is the reverse (the trainer first, Redis last).
 ORDER = ("redis", "reward", "engine-0", "gateway", "weightsync", "trainer")
-NAMESPACE = "relayrl"
-PARTITION = "train"
+Ports = LocalPorts  # its old name, kept for callers of relayrl.up.stack
 
 
 class ChildStartError(Exception):
@@ -237,33 +238,6 @@ class EngineChild(Child):
 
 
 @dataclass
-class Ports:
-    redis: int
-    engine: int
-    grpc: dict[str, int]
-    metrics: dict[str, int]
-    agent_http: int
-
-    @classmethod
-    def choose(cls) -> Ports:
-        taken: set[int] = set()
-
-        def pick() -> int:
-            while (port := free_port()) in taken:
-                pass
-            taken.add(port)
-            return port
-
-        return cls(
-            redis=pick(),
-            engine=pick(),
-            grpc={s: pick() for s in SERVICES},
-            metrics={s: pick() for s in SERVICES},
-            agent_http=pick(),
-        )
-
-
-@dataclass
 class Event:
     time: float
     child: str
@@ -279,7 +253,7 @@ class Stack:
     run_dir: Path
     model_dir: Path
     files: RunFiles
-    ports: Ports = field(default_factory=Ports.choose)
+    ports: LocalPorts = field(default_factory=LocalPorts.choose)
     children: dict[str, Child] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     on_event: Callable[[Event], None] = lambda event: None
@@ -290,7 +264,7 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports.redis}/0"
+        return self.ports.redis_url
 
     def target(self, service: str) -> str:
         return f"127.0.0.1:{self.ports.grpc[service]}"
@@ -300,100 +274,18 @@ class Stack:
 
     @property
     def engine_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.engine}"
+        return self.ports.engine_url
 
     # -- configs ----------------------------------------------------------------------------
 
-    def _base(self, service: str) -> dict[str, Any]:
-        return {
-            "grpc": {"host": "127.0.0.1", "port": self.ports.grpc[service]},
-            "metrics": {"host": "127.0.0.1", "port": self.ports.metrics[service]},
-            "logging": {"json": True},
-        }
-
-    def _tq(self) -> dict[str, Any]:
-        return {"url": self.redis_url, "namespace": NAMESPACE, "partitions": [PARTITION]}
+    def stack_config(self) -> StackConfig:
+        """The four services' configs (relayrl.up.wiring); StackError names a bad field."""
+        return up_stack(self.config, self.run_dir, self.model_dir, self.files.prompts, self.ports)
 
     def service_configs(self) -> dict[str, dict[str, Any]]:
-        c = self.config
-        train = c.train
-        eta = train.effective_eta
-        d = self.run_dir
-        reward = {
-            **self._base("reward"),
-            "tq": self._tq(),
-            "tq_scorer": {"enabled": True, "partitions": [PARTITION], "reclaim_idle_s": 10},
-        }
-        gateway = {
-            **self._base("gateway"),
-            "tq": self._tq(),
-            "tokenizer": str(self.model_dir),
-            "engines": {"urls": [self.engine_url], "health_interval_s": 1.0},
-            "rollout": {
-                "partitions": [PARTITION],
-                "eta": float(eta),
-                "batch_size": train.batch_groups,
-                "lease_s": 20.0,
-                "max_response_tokens": max_tokens(c),
-                "claimer": "gateway-0",
-            },
-            "agent_http": {"enabled": True, "port": self.ports.agent_http},
-            "weightsync": {"target": self.target("weightsync"), "default_timeout_s": 30},
-        }
-        weightsync = {
-            **self._base("weightsync"),
-            "bucket_size_bytes": 4 * 1024 * 1024,
-            # no engine list: the gateway registers the replicas it routes to
-            "engines": {"load_timeout_s": 120},
-            "data_plane": {"transport": c.weightsync.transport, "timeout_s": 60},
-            "gateway": {"target": self.target("gateway"), "default_timeout_s": 30},
-            "metrics_log": str(d / "weightsync" / "transfers.jsonl"),
-            "state_dir": str(d / "weightsync" / "state"),
-        }
-        trainer = {
-            **self._base("trainer"),
-            "tq": self._tq(),
-            "model": {"hf_dir": str(self.model_dir), "seed": train.seed, "max_seq_len": 1024},
-            "optim": {"lr": train.lr, "schedule": train.lr_schedule, "min_lr": train.min_lr},
-            "algorithm": {
-                "mode": train.mode,
-                "eta": eta,
-                "train_batch_groups": train.batch_groups,
-                "mini_batch_groups": train.batch_groups,
-                "micro_batch_size": train.micro_batch_size,
-                "temperature": train.temperature,
-            },
-            "data": {
-                "prompts_file": str(self.files.prompts),
-                "partition": PARTITION,
-                "samples_per_prompt": train.samples_per_prompt,
-                "shuffle_seed": train.seed,
-                "run_id": self.run_dir.name,
-                "max_tokens": max_tokens(c),
-                "poll_interval_s": 0.05,
-                "wait_timeout_s": 600,
-            },
-            "checkpoint": {
-                "dir": str(d / "trainer" / "checkpoints"),
-                "interval_steps": train.checkpoint_interval_steps,
-                "keep": 2,
-            },
-            "publish": {
-                "type": "weightsync",
-                "target": self.target("weightsync"),
-                "wait_for_commit": True,
-            },
-            "gateway": {"target": self.target("gateway"), "default_timeout_s": 30},
-            "total_steps": train.steps,
-            "metrics_log": str(d / "trainer" / "steps.jsonl"),
-        }
-        over = c.services
-        return {
-            "reward": deep_merge(reward, over.reward),
-            "gateway": deep_merge(gateway, over.gateway),
-            "weightsync": deep_merge(weightsync, over.weightsync),
-            "trainer": deep_merge(trainer, over.trainer),
-        }
+        """What each service process is given as its config file."""
+        stack = self.stack_config()
+        return {name: stack.service_file(name) for name in SERVICES}
 
     def engine_config(self) -> EngineConfig:
         e = self.config.engine

@@ -12,7 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from up_helpers import (
+
+from relayrl_testkit.helpers.up import (
     SHORT_RUN,
     UpProcess,
     audit_queue,
@@ -159,8 +160,11 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
 
 @pytest.mark.timeout(600)
 def test_a_child_that_fails_to_start_ends_the_run_with_one_line(runs_dir: Path) -> None:
-    # the reward-service refuses this config at start-up (an unknown field)
-    config = deep_update(SHORT_RUN, {"services": {"reward": {"no_such_field": 1}}})
+    # a config that composes, but the reward-service cannot start with: its tokens file is
+    # missing (a mistake only the child can see, at start-up)
+    missing = runs_dir / "no-such-tokens.yaml"
+    auth = {"type": "static_token", "tokens_file": str(missing)}
+    config = deep_update(SHORT_RUN, {"services": {"reward": {"auth": auth}}})
     up = UpProcess.start(runs_dir, config)
     try:
         code = up.wait(300)
@@ -172,6 +176,7 @@ def test_a_child_that_fails_to_start_ends_the_run_with_one_line(runs_dir: Path) 
     assert "Traceback" not in output, output
     (line,) = [x for x in output.splitlines() if "failed to start" in x]
     assert line.startswith("relayrl up: reward failed to start (relayrl-reward exited "), line
-    assert "no_such_field" in line and line.endswith(f"see {run_dir / 'logs' / 'reward.log'}")
+    assert "no-such-tokens.yaml" in line, line
+    assert line.endswith(f"see {run_dir / 'logs' / 'reward.log'}"), line
     assert processes_of(run_dir) == []
     assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"

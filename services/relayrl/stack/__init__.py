@@ -1,0 +1,25 @@
+"""The typed composition of the whole system (`StackConfig`): see relayrl.stack.config."""
+
+from relayrl.stack.config import (
+    SERVICES,
+    Endpoint,
+    Endpoints,
+    EngineDiscovery,
+    RolloutShape,
+    StackConfig,
+    StackError,
+    Wiring,
+    disagreements,
+)
+
+__all__ = [
+    "SERVICES",
+    "Endpoint",
+    "Endpoints",
+    "EngineDiscovery",
+    "RolloutShape",
+    "StackConfig",
+    "StackError",
+    "Wiring",
+    "disagreements",
+]

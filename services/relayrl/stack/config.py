@@ -1,0 +1,343 @@
+"""The whole system in one typed place: what the four services share (`Wiring`) and each
+service's own config derived from it (`StackConfig`).
+
+Every value two services must agree on -- the TransferQueue they meet in, the partition
+trajectories flow through, where each service listens and how its peers dial it, the engines,
+the policy model, the rollout shape (mode, eta, groups per step, samples per prompt, response
+budget) -- is written once, in `Wiring`, and derived into each service's section by
+`Wiring.derive`. What belongs to one service alone (its timeouts, paths, tuning) is that
+deployment's own business and is merged over the derived part; a user's overrides come last.
+`StackConfig` then validates each service with its own config class and checks that the four
+still agree (an override may break what the wiring set up). Every error names its field.
+
+Three deployments compose the system this way: `relayrl up` (relayrl.up.wiring), the pipeline
+benchmark (bench/pipeline_bench.py) and the Helm chart, whose rendered service configs
+tests/deploy/test_helm_chart.py checks against `Wiring.derive` for the same values (a chart
+cannot run Python at install time, so it keeps its templates and a test holds them to this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
+
+from relayrl.core.config import LoggingConfig, StrictModel, deep_merge
+from relayrl.gateway.config import GatewayConfig, KubernetesDiscoveryConfig
+from relayrl.reward.config import RewardConfig
+from relayrl.tq.config import TQConfig
+from relayrl.trainer.config import TrainerConfig, WeightSyncPublishSettings
+from relayrl.weightsync.config import WeightSyncConfig
+
+ServiceName = Literal["reward", "gateway", "weightsync", "trainer"]
+SERVICES: tuple[ServiceName, ...] = ("reward", "gateway", "weightsync", "trainer")
+CONFIG_CLASSES: dict[str, type[StrictModel]] = {
+    "reward": RewardConfig,
+    "gateway": GatewayConfig,
+    "weightsync": WeightSyncConfig,
+    "trainer": TrainerConfig,
+}
+
+
+class StackError(ValueError):
+    """A composition that does not validate; the message names the field."""
+
+
+class Endpoint(StrictModel):
+    """Where one service listens, and the gRPC target its peers dial."""
+
+    bind_host: str = Field("127.0.0.1", min_length=1, description="Interface to bind.")
+    grpc_port: int = Field(ge=1, le=65535, description="gRPC port.")
+    metrics_port: int = Field(ge=1, le=65535, description="Prometheus /metrics port.")
+    target: str = Field(
+        min_length=1,
+        description="How peers dial it: host:port, or dns:///name:port in a cluster.",
+    )
+
+    @classmethod
+    def loopback(cls, grpc_port: int, metrics_port: int) -> Endpoint:
+        return cls(grpc_port=grpc_port, metrics_port=metrics_port, target=f"127.0.0.1:{grpc_port}")
+
+    @property
+    def address(self) -> str:
+        """host:port without a resolver scheme (what engines are told to dial)."""
+        return self.target.removeprefix("dns:///")
+
+
+class Endpoints(StrictModel):
+    reward: Endpoint
+    gateway: Endpoint
+    weightsync: Endpoint
+    trainer: Endpoint
+
+    def of(self, service: str) -> Endpoint:
+        endpoint: Endpoint = getattr(self, service)
+        return endpoint
+
+
+class EngineDiscovery(StrictModel):
+    """How the gateway finds the engine replicas (it registers each with weight-sync)."""
+
+    urls: list[str] = Field(default_factory=list, description="Static replica base URLs.")
+    kubernetes: KubernetesDiscoveryConfig | None = Field(
+        None, description="The ready endpoints of the engines' Service."
+    )
+
+    @model_validator(mode="after")
+    def _some_engines(self) -> EngineDiscovery:
+        if not self.urls and self.kubernetes is None:
+            raise ValueError("engines: give urls or kubernetes discovery")
+        return self
+
+
+class RolloutShape(StrictModel):
+    """What the trainer and the gateway must agree on about rollout."""
+
+    mode: Literal["sync", "colocate_async", "separate_async"] = Field(
+        "separate_async", description="Trainer mode (its table of modes checks the rest)."
+    )
+    eta: int = Field(ge=0, le=64, description="Versions rollout may run ahead of training.")
+    batch_groups: int = Field(ge=1, description="Prompt groups per trainer step.")
+    parameter_sync_step: int = Field(1, ge=1, description="Local updates per version.")
+    samples_per_prompt: int = Field(ge=1, description="Trajectories per prompt group.")
+    max_tokens: int = Field(ge=1, description="Response token budget per trajectory.")
+
+
+class Wiring(StrictModel):
+    """Everything the services share, written once."""
+
+    tq: TQConfig = Field(description="The TransferQueue every service meets in.")
+    partition: str = Field("train", min_length=1, description="Where trajectories flow.")
+    model_path: Path = Field(description="The policy's HF folder (tokenizer and weights).")
+    rollout: RolloutShape
+    endpoints: Endpoints
+    engines: EngineDiscovery
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def derive(self, service: str) -> dict[str, Any]:
+        """The part of `service`'s config that the wiring decides."""
+        return _DERIVE[service](self)
+
+    # -- per service ----------------------------------------------------------------------
+
+    def _base(self, service: str) -> dict[str, Any]:
+        e = self.endpoints.of(service)
+        return {
+            "grpc": {"host": e.bind_host, "port": e.grpc_port},
+            "metrics": {"host": e.bind_host, "port": e.metrics_port},
+            "logging": self.logging.model_dump(mode="json", by_alias=True),
+        }
+
+    def _tq(self) -> dict[str, Any]:
+        return self.tq.model_dump(mode="json", exclude_unset=True)
+
+    def _reward(self) -> dict[str, Any]:
+        return {
+            **self._base("reward"),
+            "tq": self._tq(),
+            "tq_scorer": {"enabled": True, "partitions": [self.partition]},
+        }
+
+    def _gateway(self) -> dict[str, Any]:
+        r = self.rollout
+        return {
+            **self._base("gateway"),
+            "tq": self._tq(),
+            "tokenizer": str(self.model_path),
+            "engines": self.engines.model_dump(mode="json", exclude_none=True, exclude_unset=True)
+            | {"urls": list(self.engines.urls)},
+            "rollout": {
+                "partitions": [self.partition],
+                "eta": float(r.eta),
+                "batch_size": r.batch_groups,
+                "max_response_tokens": r.max_tokens,
+            },
+            "weightsync": {"target": self.endpoints.weightsync.target},
+        }
+
+    def _weightsync(self) -> dict[str, Any]:
+        return {
+            **self._base("weightsync"),
+            "advertise_target": self.endpoints.weightsync.address,
+            "gateway": {"target": self.endpoints.gateway.target},
+        }
+
+    def _trainer(self) -> dict[str, Any]:
+        r = self.rollout
+        return {
+            **self._base("trainer"),
+            "tq": self._tq(),
+            "model": {"hf_dir": str(self.model_path)},
+            "algorithm": {
+                "mode": r.mode,
+                "eta": r.eta,
+                "parameter_sync_step": r.parameter_sync_step,
+                "train_batch_groups": r.batch_groups,
+            },
+            "data": {
+                "partition": self.partition,
+                "samples_per_prompt": r.samples_per_prompt,
+                "max_tokens": r.max_tokens,
+            },
+            "publish": {"type": "weightsync", "target": self.endpoints.weightsync.target},
+            "gateway": {"target": self.endpoints.gateway.target},
+        }
+
+
+_DERIVE: dict[str, Callable[[Wiring], dict[str, Any]]] = {
+    "reward": Wiring._reward,
+    "gateway": Wiring._gateway,
+    "weightsync": Wiring._weightsync,
+    "trainer": Wiring._trainer,
+}
+
+
+class StackConfig(StrictModel):
+    """The four services' configs, checked against the wiring and against each other."""
+
+    wiring: Wiring
+    reward: RewardConfig
+    gateway: GatewayConfig
+    weightsync: WeightSyncConfig
+    trainer: TrainerConfig
+    _files: dict[str, dict[str, Any]] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def compose(
+        cls,
+        wiring: Wiring,
+        own: Mapping[str, Mapping[str, Any]] | None = None,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+        overrides_label: str = "services",
+        hints: Mapping[str, str] | None = None,
+    ) -> StackConfig:
+        """Each service: what the wiring derives, then the deployment's `own` settings, then
+        the user's `overrides` (deep merges). StackError names the first bad field, as
+        `<overrides_label>.<service>.<field>`; `hints` say what to do instead of overriding
+        a wiring field (see `Disagreement.message`)."""
+        own, overrides = own or {}, overrides or {}
+        unknown = sorted(set(own) - set(SERVICES)) + sorted(set(overrides) - set(SERVICES))
+        if unknown:
+            raise StackError(f"{overrides_label}.{unknown[0]}: not a service of {SERVICES}")
+        files: dict[str, dict[str, Any]] = {}
+        configs: dict[str, StrictModel] = {}
+        for name in SERVICES:
+            files[name] = deep_merge(
+                deep_merge(wiring.derive(name), dict(own.get(name, {}))),
+                dict(overrides.get(name, {})),
+            )
+            try:
+                configs[name] = CONFIG_CLASSES[name].model_validate(files[name])
+            except ValidationError as exc:
+                raise StackError(_first_error(exc, f"{overrides_label}.{name}")) from None
+        # Every part is validated already; what is left is the check across them (the
+        # validator's, with the deployment's hints).
+        stack = cls.model_construct(wiring=wiring, **configs)
+        found = disagreements(stack)
+        if found:
+            raise StackError(f"{overrides_label}.{found[0].message(hints)}")
+        stack._files = files
+        return stack
+
+    def service_file(self, service: str) -> dict[str, Any]:
+        """What `service`'s process is given as its config file: the merged sections, as
+        written (defaults left to the service)."""
+        if service in self._files:
+            return self._files[service]
+        config: StrictModel = getattr(self, service)
+        return config.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    @model_validator(mode="after")
+    def _services_agree(self) -> StackConfig:
+        found = disagreements(self)
+        if found:
+            raise ValueError(found[0].message())
+        return self
+
+
+DEFAULT_HINT = "change it there, for every service at once"
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    """A service's field that contradicts the wiring: the services would not meet."""
+
+    path: str  # the service's field, e.g. trainer.algorithm.eta
+    actual: Any
+    wiring_path: str  # the wiring's field it derives from, e.g. rollout.eta
+    expected: str  # what the wiring wants, as a phrase
+
+    def message(self, hints: Mapping[str, str] | None = None) -> str:
+        """One line; `hints` maps a wiring field (or its first part) to what the deployment's
+        user should do instead (relayrl up: "set train.eta")."""
+        hints = hints or {}
+        hint = hints.get(self.wiring_path) or hints.get(self.wiring_path.split(".")[0])
+        return (
+            f"{self.path} is {self.actual!r} but the stack's {self.wiring_path} "
+            f"{self.expected}; {hint or DEFAULT_HINT}"
+        )
+
+
+def disagreements(stack: StackConfig) -> list[Disagreement]:
+    """Where the services' configs contradict the wiring, in a fixed order."""
+    w, t, g = stack.wiring, stack.trainer, stack.gateway
+    found: list[Disagreement] = []
+
+    def differ(path: str, actual: Any, wiring_path: str, expected: Any) -> None:
+        if actual != expected:
+            found.append(Disagreement(path, actual, wiring_path, f"is {expected!r}"))
+
+    for name in ("reward", "gateway", "trainer"):
+        tq = getattr(stack, name).tq
+        for key in ("url", "namespace", "password_env"):
+            differ(f"{name}.tq.{key}", getattr(tq, key), f"tq.{key}", getattr(w.tq, key))
+    differ("trainer.data.partition", t.data.partition, "partition", w.partition)
+    for path, names in (
+        ("gateway.rollout.partitions", g.rollout.partitions),
+        ("reward.tq_scorer.partitions", stack.reward.tq_scorer.partitions),
+        ("trainer.tq.partitions", t.tq.partitions),
+    ):
+        if w.partition not in names:
+            found.append(Disagreement(path, names, "partition", f"{w.partition!r} is not in it"))
+    r = w.rollout
+    differ("trainer.algorithm.mode", t.algorithm.mode, "rollout.mode", r.mode)
+    differ("trainer.algorithm.eta", t.algorithm.eta, "rollout.eta", r.eta)
+    differ("gateway.rollout.eta", g.rollout.eta, "rollout.eta", float(r.eta))
+    sync_step = t.algorithm.parameter_sync_step
+    differ("trainer.algorithm.parameter_sync_step", sync_step,
+           "rollout.parameter_sync_step", r.parameter_sync_step)  # fmt: skip
+    batch = r.batch_groups
+    differ("trainer.algorithm.train_batch_groups", t.algorithm.train_batch_groups,
+           "rollout.batch_groups", batch)  # fmt: skip
+    differ("gateway.rollout.batch_size", g.rollout.batch_size, "rollout.batch_groups", batch)
+    differ("trainer.data.samples_per_prompt", t.data.samples_per_prompt,
+           "rollout.samples_per_prompt", r.samples_per_prompt)  # fmt: skip
+    differ("gateway.tokenizer", g.tokenizer, "model_path", w.model_path)
+    differ("trainer.model.hf_dir", t.model.hf_dir, "model_path", w.model_path)
+    clients: dict[str, tuple[Any, str]] = {
+        "gateway.weightsync.target": (g.weightsync, "weightsync"),
+        "trainer.gateway.target": (t.gateway, "gateway"),
+        "weightsync.gateway.target": (stack.weightsync.gateway, "gateway"),
+    }
+    if isinstance(t.publish, WeightSyncPublishSettings):
+        clients["trainer.publish.target"] = (t.publish, "weightsync")
+    for path, (client, peer) in clients.items():
+        target = getattr(client, "target", None)
+        differ(path, target, f"endpoints.{peer}.target", w.endpoints.of(peer).target)
+    for name in SERVICES:
+        config, endpoint = getattr(stack, name), w.endpoints.of(name)
+        for kind, port, expected in (
+            ("grpc", config.grpc.port, endpoint.grpc_port),
+            ("metrics", config.metrics.port, endpoint.metrics_port),
+        ):
+            differ(f"{name}.{kind}.port", port, f"endpoints.{name}.{kind}_port", expected)
+    return found
+
+
+def _first_error(exc: ValidationError, prefix: str) -> str:
+    error = exc.errors(include_url=False)[0]
+    where = ".".join([prefix, *(str(p) for p in error["loc"])])
+    return f"{where}: {error['msg'].removeprefix('Value error, ')}"

@@ -1,0 +1,119 @@
+"""`relayrl up`'s composition of the system: the shared wiring from the run's config, the
+settings that are each local service's own (paths in the run folder, timeouts suited to one
+machine), then the user's `services:` overrides -- all checked before any process starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from relayrl.core.config import LoggingConfig
+from relayrl.stack import EngineDiscovery, RolloutShape, StackConfig, Wiring
+from relayrl.stack.local import LocalPorts
+from relayrl.tq.config import TQConfig
+from relayrl.up.config import UpConfig
+from relayrl.up.prepare import max_tokens
+
+NAMESPACE = "relayrl"
+PARTITION = "train"
+# What a `services:` override of a shared field should be instead.
+HINTS = {
+    "rollout.mode": "set train.mode instead",
+    "rollout.eta": "set train.eta instead",
+    "rollout.batch_groups": "set train.batch_groups instead",
+    "rollout.samples_per_prompt": "set train.samples_per_prompt instead",
+    "rollout.max_tokens": "set train.max_tokens instead",
+    "rollout.parameter_sync_step": "relayrl up runs one update per version",
+    "tq": "relayrl up runs its own Redis: remove the override",
+    "partition": "remove the override",
+    "model_path": "the model is the run's warm start: remove the override",
+    "endpoints": "relayrl up chooses ports and addresses: remove the override",
+}
+
+
+def up_wiring(config: UpConfig, model_dir: Path, ports: LocalPorts) -> Wiring:
+    train = config.train
+    return Wiring(
+        tq=TQConfig(url=ports.redis_url, namespace=NAMESPACE, partitions=[PARTITION]),
+        partition=PARTITION,
+        model_path=model_dir,
+        rollout=RolloutShape(
+            mode=train.mode,
+            eta=train.effective_eta,
+            batch_groups=train.batch_groups,
+            samples_per_prompt=train.samples_per_prompt,
+            max_tokens=max_tokens(config),
+        ),
+        endpoints=ports.endpoints(),
+        engines=EngineDiscovery(urls=[ports.engine_url]),
+        logging=LoggingConfig(json=True),
+    )
+
+
+def up_own_settings(
+    config: UpConfig, run_dir: Path, prompts_file: Path, ports: LocalPorts
+) -> dict[str, dict[str, Any]]:
+    """What each service of a local run sets for itself (nothing another service reads)."""
+    train = config.train
+    return {
+        "reward": {"tq_scorer": {"reclaim_idle_s": 10}},
+        "gateway": {
+            "engines": {"health_interval_s": 1.0},
+            "rollout": {"lease_s": 20.0, "claimer": "gateway-0"},
+            "agent_http": {"enabled": True, "port": ports.agent_http},
+            "weightsync": {"default_timeout_s": 30},
+        },
+        "weightsync": {
+            "bucket_size_bytes": 4 * 1024 * 1024,
+            "engines": {"load_timeout_s": 120},
+            "data_plane": {"transport": config.weightsync.transport, "timeout_s": 60},
+            "gateway": {"default_timeout_s": 30},
+            "metrics_log": str(run_dir / "weightsync" / "transfers.jsonl"),
+            "state_dir": str(run_dir / "weightsync" / "state"),
+        },
+        "trainer": {
+            "model": {"seed": train.seed, "max_seq_len": 1024},
+            "optim": {"lr": train.lr, "schedule": train.lr_schedule, "min_lr": train.min_lr},
+            "algorithm": {
+                "mini_batch_groups": train.batch_groups,
+                "micro_batch_size": train.micro_batch_size,
+                "temperature": train.temperature,
+            },
+            "data": {
+                "prompts_file": str(prompts_file),
+                "shuffle_seed": train.seed,
+                "run_id": run_dir.name,
+                "poll_interval_s": 0.05,
+                "wait_timeout_s": 600,
+            },
+            "checkpoint": {
+                "dir": str(run_dir / "trainer" / "checkpoints"),
+                "interval_steps": train.checkpoint_interval_steps,
+                "keep": 2,
+            },
+            "publish": {"wait_for_commit": True},
+            "gateway": {"default_timeout_s": 30},
+            "total_steps": train.steps,
+            "metrics_log": str(run_dir / "trainer" / "steps.jsonl"),
+        },
+    }
+
+
+def up_stack(
+    config: UpConfig, run_dir: Path, model_dir: Path, prompts_file: Path, ports: LocalPorts
+) -> StackConfig:
+    """The run's four service configs; StackError names a bad field (`services.<svc>...`)."""
+    return StackConfig.compose(
+        up_wiring(config, model_dir, ports),
+        own=up_own_settings(config, run_dir, prompts_file, ports),
+        overrides=config.services.model_dump(),
+        hints=HINTS,
+    )
+
+
+def check_up_stack(config: UpConfig) -> None:
+    """Composes the system as `relayrl up` will, with placeholder ports and paths: a bad
+    `services:` override is reported before anything is prepared or started."""
+    run_dir = config.runs_dir.absolute() / "r-check"
+    up_stack(config, run_dir, run_dir / "model", run_dir / "data" / "prompts.jsonl",
+             LocalPorts.placeholder())  # fmt: skip
