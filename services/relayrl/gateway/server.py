@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from relayrl.conversation.tools import ToolTable
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.core.replicas import static_replica_ids
-from relayrl.gateway.agent_http import AgentHttpServer
+from relayrl.gateway.agent_http import AgentHttpServer, AgentSessions
 from relayrl.gateway.agents import AgentContext, build_agent_loops
 from relayrl.gateway.config import GatewayConfig
 from relayrl.gateway.discovery import EndpointSliceDiscovery
@@ -25,7 +25,6 @@ from relayrl.gateway.registration import WeightSyncRegistrar
 from relayrl.gateway.replicas import Replica, ReplicaPool
 from relayrl.gateway.rollout import LeaseSweeper, RolloutWorker, Throttle
 from relayrl.gateway.servicer import RolloutGatewayServicer
-from relayrl.gateway.sessions import AgentSessions
 from relayrl.inference.client import SamplingOptions, VllmEngineClient
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc

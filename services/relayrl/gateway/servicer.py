@@ -8,9 +8,15 @@ from collections.abc import Callable
 
 import grpc
 
+from relayrl.gateway.agent_http import (
+    AgentError,
+    AgentSessions,
+    ErrorKind,
+    SessionEnd,
+    SessionSpec,
+)
 from relayrl.gateway.replicas import Replica, ReplicaPool, ReplicaState
 from relayrl.gateway.rollout import RolloutWorker
-from relayrl.gateway.sessions import AgentError, AgentSessions, ErrorKind, SessionEnd, SessionSpec
 from relayrl.inference.client import EngineError
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc

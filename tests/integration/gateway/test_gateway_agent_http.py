@@ -31,9 +31,7 @@ from relayrl.core.grpc_client import make_channel
 from relayrl.core.service_process import ServiceProcess
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
-from relayrl.gateway.config import AgentHttpConfig
-from relayrl.gateway.replicas import ReplicaPool
-from relayrl.gateway.sessions import (
+from relayrl.gateway.agent_http import (
     AgentError,
     AgentSessions,
     ChatRequest,
@@ -41,6 +39,8 @@ from relayrl.gateway.sessions import (
     SessionSpec,
     TurnSampling,
 )
+from relayrl.gateway.config import AgentHttpConfig
+from relayrl.gateway.replicas import ReplicaPool
 from relayrl.inference.client import (
     EngineClient,
     EngineUnavailable,

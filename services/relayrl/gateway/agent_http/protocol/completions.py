@@ -1,0 +1,152 @@
+"""POST /sessions/{id}/v1/completions: OpenAI's (legacy) completions request on one prompt, a
+string or token ids (and vLLM's top_k, structured_outputs, return_token_ids), its answer and
+its stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from relayrl.gateway.agent_http.domain import CompletionRequest, TurnResult
+from relayrl.gateway.agent_http.protocol import checks
+from relayrl.gateway.agent_http.protocol.base import (
+    Answer,
+    AnswerOptions,
+    Flag,
+    LegacyMaxTokens,
+    LogitBias,
+    MaxTokens,
+    ModelName,
+    NoBestOf,
+    NotOne,
+    Object,
+    OpenAIRequest,
+    Penalty,
+    RelayrlInfo,
+    ResponseFormat,
+    Seed,
+    Stop,
+    StructuredOutputs,
+    Temperature,
+    TokenTexts,
+    TopK,
+    TopP,
+    Usage,
+    checked,
+    checked_if_absent,
+    sampling_of,
+)
+
+
+class CompletionsRequest(OpenAIRequest):
+    """The fields are checked in this order; the first wrong one is reported."""
+
+    model: ModelName = checked_if_absent()
+    echo: Annotated[Any, checked(checks.check_echo)] = None
+    suffix: Annotated[Any, checked(checks.check_echo)] = None
+    prompt: Annotated[str | tuple[int, ...], checked(checks.check_prompt)] = checked_if_absent()
+    n: NotOne = None
+    best_of: NoBestOf = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    logit_bias: LogitBias = None
+    max_completion_tokens: MaxTokens = None
+    max_tokens: LegacyMaxTokens = None
+    top_k: TopK = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
+    stop: Stop = ()
+    structured_outputs: StructuredOutputs = None
+    response_format: ResponseFormat = checked_if_absent()
+    stream: Flag = False
+    stream_options: Object = None
+    # The number of alternatives per token: only 0 (the sampled token's log-prob) is served.
+    logprobs: Annotated[bool, checked(checks.check_completion_logprobs)] = False
+    return_token_ids: Flag = False
+
+    def to_domain(self) -> CompletionRequest:
+        if isinstance(self.prompt, str):
+            return CompletionRequest(self.prompt, None, sampling_of(self))
+        return CompletionRequest(None, tuple(self.prompt), sampling_of(self))
+
+    def options(self) -> AnswerOptions:
+        return AnswerOptions.of(self)
+
+
+class CompletionLogprobs(Answer):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, result: TurnResult, token_texts: TokenTexts) -> CompletionLogprobs:
+        texts = token_texts(result.token_ids)
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        return cls(tokens=texts, token_logprobs=list(result.logprobs), text_offset=offsets)
+
+
+class CompletionChoice(Answer):
+    omit_if_none = frozenset({"token_ids"})
+
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(Answer):
+    omit_if_none = frozenset({"prompt_token_ids"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    relayrl: RelayrlInfo
+    prompt_token_ids: list[int] | None = None
+
+    @classmethod
+    def of(
+        cls, result: TurnResult, model: str, options: AnswerOptions, token_texts: TokenTexts
+    ) -> CompletionResponse:
+        choice = CompletionChoice(
+            text=result.text,
+            finish_reason=result.finish_reason,
+            logprobs=CompletionLogprobs.of(result, token_texts) if options.logprobs else None,
+            token_ids=list(result.token_ids) if options.return_token_ids else None,
+        )
+        return cls(
+            id=f"cmpl-{result.session_id}-{result.turn}",
+            created=result.created,
+            model=model,
+            choices=[choice],
+            usage=Usage.of(result),
+            relayrl=RelayrlInfo.of(result),
+            prompt_token_ids=list(result.prompt_token_ids) if options.return_token_ids else None,
+        )
+
+    def chunks(self, options: AnswerOptions) -> Iterator[Answer]:
+        """Streamed: the whole answer as one event, then (if asked) the usage."""
+        yield self
+        if options.include_usage:
+            yield CompletionUsageChunk(
+                id=self.id, created=self.created, model=self.model, usage=self.usage
+            )
+
+
+class CompletionUsageChunk(Answer):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[Any] = Field(default_factory=list)
+    usage: Usage

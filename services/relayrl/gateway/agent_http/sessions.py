@@ -1,0 +1,426 @@
+"""Every open agent session of a gateway: opening and ending them, serving their turns, and the
+upkeep that renews their claims and aborts idle ones.
+
+A turn: the request kind's conversation strategy plans it (`conversations`), the engine
+generates on the session's sticky replica (request id = session id, so every turn hits the
+replica whose prefix cache holds the conversation), and the session records it. The same
+request sent again (a client retry after a lost answer) gets the recorded answer back without
+generating again. Engine failures do not end a session: the failed generation is not recorded,
+the agent gets 502 (engine error or timeout) or 503 (no replica serving, e.g. during a weight
+update) and may send the same request again; whoever drives the agent aborts the session if it
+gives up.
+
+Ending a session: close puts the trajectory as finished (the reward-service scores it); abort
+puts it as failed (is_infra) with the reason, and a session in which nothing was generated is
+discarded (nothing written; a caller that claimed the group keeps its claim). Sessions idle for
+`session_idle_timeout_s` are aborted; a claim lost while the session runs ends it (nothing
+can be written under it any more)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from relayrl.gateway.agent_http.conversations import Conversation, TurnPlan, build_conversations
+from relayrl.gateway.agent_http.domain import (
+    ChatRequest,
+    CompletionRequest,
+    Outcome,
+    SessionEnd,
+    SessionKind,
+    SessionSpec,
+    TurnRequest,
+    TurnResult,
+    checked_spec,
+)
+from relayrl.gateway.agent_http.errors import AgentError, ErrorKind
+from relayrl.gateway.agent_http.session import AgentSession, Answered
+from relayrl.gateway.agent_http.store import AgentGroupStore, TrajectoryRefused
+from relayrl.gateway.config import AgentHttpConfig
+from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
+from relayrl.gateway.rollout import EngineTimeout, StickySession
+from relayrl.inference.client import EngineError, EngineRejected, Generation
+from relayrl.tq import TransferQueue
+from relayrl.tq.errors import TQError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+MAX_ENDED_REMEMBERED = 4096
+
+
+@dataclass(frozen=True)
+class Answering:
+    """A request being answered: its strategy, its planned turn, its fingerprint."""
+
+    conversation: Conversation[Any]
+    plan: TurnPlan[Any]
+    fingerprint: str
+
+
+class AgentSessions:
+    """Every open agent session of this gateway, and what their requests do."""
+
+    def __init__(
+        self,
+        *,
+        tq: TransferQueue,
+        pool: ReplicaPool,
+        tokenizer: PreTrainedTokenizerBase,
+        config: AgentHttpConfig,
+        claimer: str,
+        lease_s: float,
+        request_timeout_s: float,
+        policy_step: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self._pool = pool
+        self.tokenizer = tokenizer
+        self.config = config
+        self._request_timeout_s = request_timeout_s
+        self._store = AgentGroupStore(
+            tq,
+            claimer=claimer,
+            lease_s=lease_s,
+            max_response_tokens=config.max_response_tokens,
+            policy_step=policy_step,
+        )
+        self._conversations = build_conversations(tokenizer, config)
+        self._sessions: dict[str, AgentSession] = {}
+        self._samples: dict[tuple[str, str, int], str] = {}  # claimed sample -> session id
+        self._ended: OrderedDict[str, SessionEnd] = OrderedDict()
+        self._maintenance: asyncio.Task[None] | None = None
+        self._closed = False
+        self.counts = {"opened": 0, "finished": 0, "failed": 0, "discarded": 0}
+
+    @property
+    def num_open(self) -> int:
+        return len(self._sessions)
+
+    async def start(self) -> None:
+        await self._store.create_partition(self.config.partition)
+        self._maintenance = asyncio.create_task(self._maintain(), name="agent-sessions")
+
+    async def close(self) -> None:
+        """Shutdown: sessions still open are aborted (failed as infra, or discarded)."""
+        self._closed = True
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            await asyncio.gather(self._maintenance, return_exceptions=True)
+        for session_id in list(self._sessions):
+            with contextlib.suppress(AgentError):
+                await self.abort(session_id, "the gateway shut down")
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def open(self, spec: SessionSpec) -> AgentSession:
+        if self._closed:
+            raise AgentError(ErrorKind.UNAVAILABLE, "the gateway is shutting down")
+        if len(self._sessions) >= self.config.max_sessions:
+            raise AgentError(
+                ErrorKind.TOO_MANY,
+                f"{len(self._sessions)} sessions are open (agent_http.max_sessions); close some",
+            )
+        session_id = uuid.uuid4().hex
+        spec = checked_spec(spec, session_id, self.config.partition)
+        session = AgentSession(
+            session_id, spec, StickySession(self._pool, session_id, self._request_timeout_s)
+        )
+        if spec.claim_id:
+            sample = (spec.partition, spec.uid, spec.index)
+            if sample in self._samples:
+                raise AgentError(
+                    ErrorKind.CONFLICT,
+                    f"sample {spec.uid}_{spec.index} already has open session "
+                    f"{self._samples[sample]}",
+                )
+            self._samples[sample] = session_id  # reserved while the claim is checked
+            try:
+                session.claim.group = await self._store.claimed_group(spec)
+            except BaseException:
+                self._samples.pop(sample, None)
+                raise
+        self._sessions[session_id] = session
+        self.counts["opened"] += 1
+        logger.info(
+            "agent session %s opened for %s/%s (%s)",
+            session_id,
+            spec.partition,
+            session.trajectory_key,
+            "claimed group" if spec.claim_id else "ad-hoc group",
+        )
+        return session
+
+    def get(self, session_id: str) -> AgentSession:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            return session
+        ended = self._ended.get(session_id)
+        if ended is not None:
+            how = "closed" if ended.outcome == "finished" else f"ended ({ended.outcome})"
+            detail = f": {ended.reason}" if ended.reason else ""
+            raise AgentError(ErrorKind.ENDED, f"session {session_id} was {how}{detail}")
+        raise AgentError(
+            ErrorKind.NOT_FOUND,
+            f"unknown session {session_id!r}: open one with POST /sessions (or OpenSession)",
+            code="session_not_found",
+        )
+
+    async def close_session(self, session_id: str) -> SessionEnd:
+        """Put the trajectory as finished (or discard a session that generated nothing).
+        Closing an ended session again returns how it ended."""
+        if session_id in self._ended:
+            return self._ended[session_id]
+        session = self.get(session_id)
+        if session.activity.busy:
+            raise AgentError(
+                ErrorKind.CONFLICT,
+                f"session {session_id} has a request in flight; close it once answered "
+                "(or abort it)",
+            )
+        if not len(session.transcript.response):
+            return self._forget(session, session.end("discarded", "closed before any generation"))
+        return await self._put(session, failed=False, reason="")
+
+    async def abort(self, session_id: str, reason: str) -> SessionEnd:
+        """Put the trajectory as failed (is_infra) with `reason`; discard a session that
+        generated nothing. A request in flight is cancelled."""
+        if session_id in self._ended:
+            return self._ended[session_id]
+        session = self.get(session_id)
+        reason = reason or "aborted by the caller"
+        activity = session.activity
+        activity.abort_reason = reason
+        if activity.inflight is not None:
+            # Only the engine call is cancelled; a turn past it is recorded first.
+            if activity.generating is not None:
+                activity.generating.cancel()
+            await asyncio.wait({activity.inflight})
+        if session_id in self._ended:  # ended meanwhile
+            return self._ended[session_id]
+        if not len(session.transcript.response):
+            return self._forget(session, session.end("discarded", reason))
+        return await self._put(session, failed=True, reason=reason)
+
+    async def _put(self, session: AgentSession, *, failed: bool, reason: str) -> SessionEnd:
+        activity = session.activity
+        if activity.ending:
+            raise AgentError(ErrorKind.CONFLICT, f"session {session.session_id} is ending")
+        activity.ending = True
+        trajectory = session.trajectory(self.tokenizer, failed=failed, reason=reason)
+        try:
+            await self._store.put(
+                session.partition, trajectory, session.claim.claim_id, failed=failed
+            )
+        except TrajectoryRefused as exc:
+            self._forget(session, session.end("discarded", exc.message))
+            raise
+        except AgentError:
+            activity.ending = False
+            raise
+        outcome: Outcome = "failed" if failed else "finished"
+        logger.info(
+            "agent session %s %s: %s, %d turns, %d response tokens%s",
+            session.session_id,
+            outcome,
+            session.trajectory_key,
+            session.num_turns,
+            len(session.transcript.response),
+            f" ({reason})" if reason else "",
+        )
+        return self._forget(session, session.end(outcome, reason))
+
+    def _forget(self, session: AgentSession, end: SessionEnd) -> SessionEnd:
+        self._sessions.pop(session.session_id, None)
+        self._samples.pop((session.partition, session.uid, session.index), None)
+        self._pool.end_session(session.session_id)
+        self._ended[session.session_id] = end
+        while len(self._ended) > MAX_ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+        self.counts[end.outcome] += 1
+        return end
+
+    # -- turns ---------------------------------------------------------------------------
+
+    async def chat(self, session_id: str, request: ChatRequest) -> TurnResult:
+        return await self.turn(session_id, request)
+
+    async def complete(self, session_id: str, request: CompletionRequest) -> TurnResult:
+        return await self.turn(session_id, request)
+
+    async def turn(self, session_id: str, request: TurnRequest) -> TurnResult:
+        """Serve one request of the session with its kind's conversation strategy."""
+        conversation = self._conversations[request.kind]
+        session = self._ready(session_id, conversation.session_kind)
+        key = request.fingerprint()
+        answered = session.dialogue.last_answer
+        if answered is not None and answered.fingerprint == key:
+            return answered.result
+        plan = conversation.plan(session, request)
+        return await self._turn(session, Answering(conversation, plan, key))
+
+    def _ready(self, session_id: str, kind: SessionKind) -> AgentSession:
+        session = self.get(session_id)
+        if session.activity.ending:
+            raise AgentError(ErrorKind.CONFLICT, f"session {session_id} is ending")
+        if session.activity.busy:
+            raise AgentError(
+                ErrorKind.CONFLICT,
+                f"session {session_id} already has a request in flight; a session is one "
+                "conversation, one request at a time",
+                code="request_in_flight",
+            )
+        if session.dialogue.kind not in (None, kind):
+            raise AgentError(
+                ErrorKind.CONFLICT,
+                f"session {session_id} is a {session.dialogue.kind} session; it cannot take "
+                f"{kind} requests",
+            )
+        return session
+
+    async def _turn(self, session: AgentSession, answering: Answering) -> TurnResult:
+        """Generate and record, one request per session at a time. The turn runs on even if
+        the caller goes away (its retry then gets the recorded answer back)."""
+        task = asyncio.ensure_future(self._generate_and_record(session, answering))
+        session.activity.inflight = task
+
+        def settled(_: asyncio.Task[TurnResult]) -> None:
+            session.activity.inflight = None
+            session.clock.last_active = time.monotonic()
+
+        task.add_done_callback(settled)
+        return await asyncio.shield(task)
+
+    async def _generate_and_record(self, session: AgentSession, answering: Answering) -> TurnResult:
+        activity, plan = session.activity, answering.plan
+        started = session.clock.turn_started()
+        activity.generating = asyncio.ensure_future(self._generate(session, plan))
+        try:
+            generation = await activity.generating
+        except asyncio.CancelledError:
+            if not activity.abort_reason:
+                raise
+            raise AgentError(
+                ErrorKind.ENDED,
+                f"session {session.session_id} was aborted during the request: "
+                f"{activity.abort_reason}",
+            ) from None
+        finally:
+            activity.generating = None
+        session.clock.generate_s += time.monotonic() - started
+        if session.session_id not in self._sessions:
+            raise AgentError(ErrorKind.ENDED, f"session {session.session_id} ended meanwhile")
+        if session.claim.group is None:
+            group = self._store.adhoc_group(session.spec, plan.engine_prompt, plan.sampling)
+            session.claim.claim_id = await self._store.claim_adhoc(group)
+            session.claim.group = group
+        return self._record(session, answering, generation)
+
+    async def _generate(self, session: AgentSession, plan: TurnPlan[Any]) -> Generation:
+        try:
+            return await session.engine.generate(plan.engine_prompt, plan.sampling)
+        except EngineRejected as exc:
+            raise AgentError(ErrorKind.INVALID, f"the engine refused the request: {exc}") from None
+        except (EngineError, EngineTimeout) as exc:
+            raise AgentError(
+                ErrorKind.ENGINE,
+                f"{type(exc).__name__}: {exc}; nothing was recorded, the session stays: send "
+                "the request again or abort the session",
+            ) from None
+        except (NoReplicaAvailable, TimeoutError) as exc:
+            detail = str(exc) or f"no replica became routable in {self._request_timeout_s} s"
+            raise AgentError(
+                ErrorKind.UNAVAILABLE,
+                f"no engine replica is serving ({detail}); nothing was recorded, retry later",
+            ) from None
+
+    def _record(
+        self, session: AgentSession, answering: Answering, generation: Generation
+    ) -> TurnResult:
+        plan, turn = answering.plan, session.num_turns
+        if turn == 0:
+            session.dialogue.kind = answering.conversation.session_kind
+        replica_id = session.engine.replica_id
+        spans = session.transcript.record(
+            plan.engine_prompt, plan.observation, generation, replica_id
+        )
+        result = TurnResult(
+            session_id=session.session_id,
+            turn=turn,
+            created=int(time.time()),
+            prompt_token_ids=tuple(plan.engine_prompt),
+            token_ids=generation.token_ids,
+            logprobs=generation.logprobs,
+            text=self.tokenizer.decode(list(generation.token_ids), skip_special_tokens=True),
+            finish_reason=_openai_finish_reason(generation.finish_reason),
+            replica_id=replica_id,
+            version_spans=spans,
+        )
+        result = answering.conversation.answer(session, plan, result)
+        session.dialogue.last_answer = Answered(answering.fingerprint, result)
+        session.clock.answered_at = time.monotonic()
+        return result
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    async def _maintain(self) -> None:
+        """Renew the claims of open sessions; abort idle ones and ones whose claim was lost."""
+        lease_s = self._store.lease_s
+        interval_s = max(0.05, min(lease_s / 3, self.config.session_idle_timeout_s / 4, 5.0))
+        renew_every_s = lease_s / 3
+        last_renewal = time.monotonic()
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            try:
+                await self._abort_idle(now)
+                if now - last_renewal >= renew_every_s:
+                    last_renewal = now
+                    await self._renew_claims()
+            except Exception:  # a bug here must not stop the upkeep of every other session
+                logger.exception("agent session upkeep failed; trying again")
+
+    async def _abort_idle(self, now: float) -> None:
+        idle_s = self.config.session_idle_timeout_s
+        for session in list(self._sessions.values()):
+            busy = session.activity.busy or session.activity.ending
+            if not busy and now - session.clock.last_active > idle_s:
+                await self._abort_quietly(session, f"idle for more than {idle_s:g} s")
+
+    async def _renew_claims(self) -> None:
+        for session in list(self._sessions.values()):
+            claim_id = session.claim.claim_id
+            if not claim_id or session.activity.ending:
+                continue
+            try:
+                held = await self._store.renew(session.partition, session.uid, claim_id)
+            except TQError as exc:
+                logger.warning("renewing %s failed: %s", session.trajectory_key, exc)
+                continue
+            if not held:
+                reason = f"the claim on {session.partition}/{session.uid} was lost"
+                logger.warning("agent session %s: %s; ending it", session.session_id, reason)
+                session.activity.abort_reason = reason
+                if session.activity.generating is not None:
+                    session.activity.generating.cancel()
+                self._forget(session, session.end("discarded", reason))
+
+    async def _abort_quietly(self, session: AgentSession, reason: str) -> None:
+        try:
+            end = await self.abort(session.session_id, reason)
+        except AgentError as exc:
+            logger.warning("aborting agent session %s failed: %s", session.session_id, exc)
+            return
+        logger.info("agent session %s aborted: %s (%s)", session.session_id, reason, end.outcome)
+
+
+def _openai_finish_reason(engine_reason: str) -> str:
+    return engine_reason if engine_reason in ("stop", "length") else "stop"

@@ -1,0 +1,198 @@
+"""The agent sessions' side of the TransferQueue: checking a caller's claim on a group, putting
+and claiming ad-hoc groups, renewing leases and putting trajectories, with the TransferQueue's
+failures told apart as the session logic needs them (`AgentError` kinds).
+
+The TransferQueue claims the oldest pending groups and cannot claim one by uid, so an ad-hoc
+group is claimed one group at a time until the gateway holds its own, and the groups passed
+over are released again; `agent_http.partition` defaults to a partition of its own ("agent")
+so that nothing normally lies ahead. Ad-hoc groups name the agent loop "agent_http", which no
+rollout loop has: if one ever returns to pending (a gateway crashed), a rollout worker fails
+it as infra instead of rolling it out with another loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from relayrl.gateway.agent_http.domain import SessionSpec
+from relayrl.gateway.agent_http.errors import AgentError, ErrorKind
+from relayrl.inference.client import SamplingOptions
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import ClaimedGroup, TrajectoryPut, TransferQueue
+from relayrl.tq.errors import (
+    ConflictError,
+    InvalidInputError,
+    StaleClaimError,
+    TQError,
+    UnknownKeyError,
+)
+
+AGENT_LOOP_NAME = "agent_http"
+# Groups passed over (claimed and released again) while claiming an ad-hoc group, at most.
+MAX_PASSED_GROUPS = 16
+
+
+class TrajectoryRefused(AgentError):
+    """The TransferQueue will never take this trajectory: another claimer owns the group, the
+    key holds another trajectory, or the trajectory itself is refused (e.g. too large)."""
+
+
+class AgentGroupStore:
+    """Claims, leases and puts of the groups and trajectories agent sessions write."""
+
+    def __init__(
+        self,
+        tq: TransferQueue,
+        *,
+        claimer: str,
+        lease_s: float,
+        max_response_tokens: int,
+        policy_step: Callable[[], int],
+    ) -> None:
+        self._tq = tq
+        self._claimer = claimer
+        self.lease_s = lease_s
+        self._max_response_tokens = max_response_tokens
+        self._policy_step = policy_step
+        self._adhoc_lock = asyncio.Lock()
+
+    async def create_partition(self, partition: str) -> None:
+        await asyncio.to_thread(self._tq.create_partition, partition)
+
+    async def claimed_group(self, spec: SessionSpec) -> common_pb2.PromptGroup:
+        """The claimed group of `spec`, once its claim is known to hold (it is renewed on the
+        way) and its sample is still to be rolled out."""
+        return await asyncio.to_thread(self._claimed_group, spec)
+
+    def _claimed_group(self, spec: SessionSpec) -> common_pb2.PromptGroup:
+        where = f"{spec.partition}/{spec.uid}"
+        try:
+            (entry,) = self._tq.get_groups(spec.partition, [spec.uid])
+            self._tq.renew_leases(spec.partition, {spec.uid: spec.claim_id}, self.lease_s)
+        except UnknownKeyError as exc:
+            raise AgentError(ErrorKind.NOT_FOUND, str(exc), param="uid") from None
+        except InvalidInputError as exc:  # unknown partition
+            raise AgentError(ErrorKind.INVALID, str(exc), param="partition") from None
+        except StaleClaimError:
+            raise AgentError(
+                ErrorKind.CONFLICT,
+                f"{where}: claim {spec.claim_id!r} is not the group's current claim "
+                "(released, expired, or another claimer's)",
+                param="claim_id",
+            ) from None
+        except TQError as exc:
+            raise AgentError(ErrorKind.UNAVAILABLE, f"TransferQueue: {exc}") from None
+        group = entry.group
+        if spec.index >= group.num_samples:
+            raise AgentError(
+                ErrorKind.INVALID,
+                f"{where} has {group.num_samples} samples; index {spec.index} is out of range",
+                param="index",
+            )
+        if any(t.index == spec.index for t in entry.trajectories):
+            raise AgentError(
+                ErrorKind.CONFLICT, f"{where}: sample {spec.index} already has a trajectory"
+            )
+        return group
+
+    def adhoc_group(
+        self, spec: SessionSpec, prompt_token_ids: list[int], sampling: SamplingOptions
+    ) -> common_pb2.PromptGroup:
+        """The group of one sample a session without a claimed group rolls out: its first
+        prompt, what the open call named, the trainer's current step."""
+        return common_pb2.PromptGroup(
+            uid=spec.uid,
+            partition=spec.partition,
+            prompt_step=self._policy_step(),
+            num_samples=1,
+            prompt_token_ids=prompt_token_ids,
+            data_source=spec.data_source,
+            ground_truth=spec.ground_truth,
+            agent=AGENT_LOOP_NAME,
+            labels=dict(spec.labels),
+            sampling=common_pb2.SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=max(sampling.top_k, 0),
+                max_response_tokens=self._max_response_tokens,
+            ),
+        )
+
+    async def claim_adhoc(self, group: common_pb2.PromptGroup) -> str:
+        """Put `group` as pending and claim it; returns the claim id."""
+        async with self._adhoc_lock:  # this gateway's own ad-hoc groups never pass each other
+            try:
+                return await asyncio.to_thread(
+                    claim_group_by_uid,
+                    self._tq,
+                    group,
+                    claimer=self._claimer,
+                    lease_s=self.lease_s,
+                )
+            except ConflictError as exc:
+                raise AgentError(ErrorKind.CONFLICT, str(exc)) from None
+            except TQError as exc:
+                raise AgentError(
+                    ErrorKind.UNAVAILABLE,
+                    f"TransferQueue: {exc}; nothing was recorded, send the request again",
+                ) from None
+
+    async def renew(self, partition: str, uid: str, claim_id: str) -> bool:
+        """Renew a claim's lease; False when the claim is lost. Other TransferQueue failures
+        raise (TQError): the next renewal may work."""
+        try:
+            await asyncio.to_thread(self._tq.renew_leases, partition, {uid: claim_id}, self.lease_s)
+        except StaleClaimError:
+            return False
+        return True
+
+    async def put(
+        self, partition: str, trajectory: common_pb2.Trajectory, claim_id: str, *, failed: bool
+    ) -> None:
+        """Put the trajectory (finished, or failed as infra). TrajectoryRefused when it never
+        will be written; AgentError(UNAVAILABLE) when the TransferQueue may take it later."""
+        put = TrajectoryPut(trajectory, claim_id, failed=failed)
+        try:
+            await asyncio.to_thread(self._tq.put_trajectories, partition, [put])
+        except (StaleClaimError, ConflictError, InvalidInputError) as exc:
+            kind = ErrorKind.INVALID if isinstance(exc, InvalidInputError) else ErrorKind.CONFLICT
+            raise TrajectoryRefused(kind, f"the trajectory could not be written: {exc}") from None
+        except TQError as exc:
+            raise AgentError(
+                ErrorKind.UNAVAILABLE, f"TransferQueue: {exc}; the session stays, retry"
+            ) from None
+
+
+def claim_group_by_uid(
+    tq: TransferQueue, group: common_pb2.PromptGroup, *, claimer: str, lease_s: float
+) -> str:
+    """Put `group` as pending and claim it; returns the claim id. The TransferQueue claims
+    the oldest pending groups first, so groups ahead of this one are claimed on the way and
+    given back (released to pending) at once."""
+    partition = group.partition
+    tq.put_groups(partition, [group])
+    passed: list[ClaimedGroup] = []
+    try:
+        while len(passed) <= MAX_PASSED_GROUPS:
+            claimed = tq.claim_groups(
+                partition, max_groups=1, claimer=claimer, lease_s=lease_s
+            ).claimed
+            if not claimed:
+                break
+            if claimed[0].group.uid == group.uid:
+                return claimed[0].claim_id
+            passed.append(claimed[0])
+    finally:
+        if passed:
+            tq.release_groups(
+                partition, passed, f"passed over while claiming agent group {group.uid}"
+            )
+    raise TQError(
+        f"could not claim agent group {partition}/{group.uid}: "
+        + (
+            f"more than {MAX_PASSED_GROUPS} pending groups lie ahead of it; give agent "
+            "sessions a partition of their own (agent_http.partition)"
+            if passed
+            else "it is not pending (another claimer took it)"
+        )
+    )

@@ -1,0 +1,382 @@
+"""The agent endpoint's JSON and HTTP side without an engine or a TransferQueue: request bodies
+become the session service's requests or OpenAI-style errors naming the parameter, answers have
+the shape OpenAI clients read, and the router maps every failure to its status code. The
+session service is a stand-in that answers from a fixed turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from relayrl.gateway.agent_http import (
+    AgentError,
+    AgentHttpServer,
+    ChatRequest,
+    CompletionRequest,
+    ErrorKind,
+    SessionEnd,
+    SessionSpec,
+    TurnResult,
+    TurnSampling,
+)
+from relayrl.gateway.agent_http.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionResponse,
+    CompletionsRequest,
+    OpenSessionRequest,
+    parse,
+)
+from relayrl.gateway.config import AgentHttpConfig
+
+MODEL = "policy"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": HELLO, **fields}
+
+
+def refusal(model: type, body: dict[str, Any]) -> AgentError:
+    with pytest.raises(AgentError) as refused:
+        parse(model, body, MODEL)
+    return refused.value
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"messages": HELLO}, "model", "name the model"),
+        (chat(messages=[]), "messages", "non-empty list"),
+        (chat(messages=[{"role": "wizard", "content": "x"}]), "messages", "role must be one of"),
+        (chat(messages=[{"role": "user"}]), "messages", "content is missing"),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages", "text"),
+        (chat(tool_choice="required"), "tool_choice", "'auto' or 'none'"),
+        (chat(tools=[{"type": "function", "function": {}}]), "tools", "name is missing"),
+        (chat(n=2), "n", "one choice per request"),
+        (chat(presence_penalty=0.5), "presence_penalty", "not supported"),
+        (chat(logit_bias={"1": 5}), "logit_bias", "structured_outputs"),
+        (chat(max_tokens=0), "max_tokens", "must be in [1, 1e+09], got 0"),
+        (chat(max_tokens=True), "max_tokens", "must be an integer, got True"),
+        (chat(temperature="0.5"), "temperature", "must be a number, got '0.5'"),
+        (chat(top_p=0), "top_p", "must be in"),
+        (chat(stop=[""]), "stop", "a string or a list of strings"),
+        (chat(structured_outputs={"bogus": 1}), "structured_outputs", "unknown keys ['bogus']"),
+        (chat(response_format={"type": "xml"}), "response_format", "json_schema"),
+        (
+            chat(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
+            "response_format",
+            "not both",
+        ),
+        (chat(stream=1), "stream", "true or false"),
+        (chat(top_logprobs=3), "top_logprobs", "sampled token"),
+    ],
+)
+def test_a_malformed_chat_request_is_refused_naming_the_parameter(
+    body: dict[str, Any], param: str, says: str
+) -> None:
+    refused = refusal(ChatCompletionRequest, body)
+    assert (refused.kind, refused.param) == (ErrorKind.INVALID, param)
+    assert says in refused.message
+
+
+def test_another_model_is_not_found_and_the_first_wrong_field_is_reported() -> None:
+    wrong = refusal(ChatCompletionRequest, chat(model="gpt-4o"))
+    assert (wrong.kind, wrong.code) == (ErrorKind.NOT_FOUND, "model_not_found")
+    assert "'policy'" in wrong.message
+    # Fields are checked in a fixed order: n comes before temperature.
+    assert refusal(ChatCompletionRequest, chat(temperature=3, n=2)).param == "n"
+
+
+def test_a_chat_request_becomes_the_canonical_conversation() -> None:
+    body = chat(
+        messages=[
+            {
+                "role": "developer",
+                "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+            },
+            {"role": "user", "content": "add", "name": "ann", "extra": 1},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "function": {"name": "add", "arguments": '{"b": 2,  "a": 1}'}}
+                ],
+            },
+            {"role": "tool", "content": "3", "tool_call_id": "c1"},
+        ],
+        tool_choice="none",
+        max_tokens=7,
+        max_completion_tokens=5,
+        top_k=0,
+        seed=3,
+        stop="</tool_call>",
+        response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+        user="ignored by the gateway",
+    )
+    request = parse(ChatCompletionRequest, body, MODEL).to_domain()
+    assert request == ChatRequest(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "add", "name": "ann"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "add", "arguments": '{"b": 2, "a": 1}'},
+                        "id": "c1",
+                    }
+                ],
+            },
+            {"role": "tool", "content": "3", "tool_call_id": "c1"},
+        ],
+        tools=None,
+        sampling=TurnSampling(
+            max_tokens=5,
+            seed=3,
+            stop=("</tool_call>",),
+            structured_outputs={"json": {"type": "object"}},
+        ),
+        parse_tool_calls=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("Once", ("Once", None)),
+        (["Once"], ("Once", None)),
+        ([[1, 2]], (None, (1, 2))),
+        ([0], (None, (0,))),
+    ],
+)
+def test_a_completions_prompt_is_text_or_token_ids(prompt: Any, expected: tuple[Any, Any]) -> None:
+    request = parse(CompletionsRequest, {"model": MODEL, "prompt": prompt}, MODEL).to_domain()
+    assert request == CompletionRequest(*expected, TurnSampling())
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": [1, True]}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": "x", "suffix": "!"}, "suffix"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 2}, "logprobs"),
+    ],
+)
+def test_a_malformed_completions_request_is_refused(body: dict[str, Any], param: str) -> None:
+    assert refusal(CompletionsRequest, body).param == param
+
+
+def test_an_open_session_request_takes_only_the_gateway_fields() -> None:
+    unknown = refusal(OpenSessionRequest, {"colour": "red"})
+    assert unknown.param is None
+    assert unknown.message.startswith("unknown fields ['colour']; known: claim_id, data_source")
+    assert refusal(OpenSessionRequest, {"labels": {"a": 1}}).param == "labels"
+    assert refusal(OpenSessionRequest, {"index": -1}).param == "index"
+    spec = parse(OpenSessionRequest, {"uid": "g1", "index": None, "labels": None}).to_domain()
+    assert spec == SessionSpec(uid="g1")
+
+
+# --- answers -----------------------------------------------------------------------------------
+
+
+def turn(**changes: Any) -> TurnResult:
+    fields: dict[str, Any] = {
+        "session_id": "s1",
+        "turn": 2,
+        "created": 100,
+        "prompt_token_ids": (1, 2, 3),
+        "token_ids": (7, 8),
+        "logprobs": (-0.5, -0.25),
+        "text": "ab",
+        "finish_reason": "stop",
+        "replica_id": "engine-0",
+        "version_spans": ((3, 0, 2),),
+        "content": "ab",
+    }
+    return TurnResult(**(fields | changes))
+
+
+def letters(token_ids: Sequence[int]) -> list[str]:
+    return [chr(ord("a") + token_id - 7) for token_id in token_ids]
+
+
+def options(body: dict[str, Any]) -> Any:
+    return parse(ChatCompletionRequest, chat(**body), MODEL).options()
+
+
+def test_a_chat_answer_has_openai_shape_and_the_relayrl_object() -> None:
+    answer = ChatCompletionResponse.of(turn(), MODEL, options({}), letters).model_dump()
+    assert answer == {
+        "id": "chatcmpl-s1-2",
+        "object": "chat.completion",
+        "created": 100,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ab"},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "relayrl": {
+            "session_id": "s1",
+            "turn": 2,
+            "replica": "engine-0",
+            "weight_versions": [{"version": 3, "start": 0, "end": 2}],
+        },
+    }
+
+
+def test_a_streamed_chat_answer_is_the_message_then_the_finish_then_the_usage() -> None:
+    call = {"id": "call-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    result = turn(content=None, tool_calls=(call,), finish_reason="tool_calls")
+    asked = options({"stream": True, "stream_options": {"include_usage": True}, "logprobs": True})
+    answer = ChatCompletionResponse.of(result, MODEL, asked, letters)
+    first, finish, usage = (chunk.model_dump() for chunk in answer.chunks(asked))
+    assert first["object"] == "chat.completion.chunk" and "relayrl" in first
+    (choice,) = first["choices"]
+    assert choice["delta"] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"index": 0, **call}],
+    }
+    assert choice["finish_reason"] is None
+    assert [t["token"] for t in choice["logprobs"]["content"]] == ["a", "b"]
+    assert finish["choices"] == [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]
+    assert "relayrl" not in finish and "usage" not in finish
+    assert (usage["choices"], usage["usage"]["total_tokens"]) == ([], 5)
+
+
+def test_a_completion_answer_carries_token_ids_and_logprobs_when_asked() -> None:
+    body = {"model": MODEL, "prompt": "x", "logprobs": 0, "return_token_ids": True}
+    asked = parse(CompletionsRequest, body, MODEL).options()
+    answer = CompletionResponse.of(turn(), MODEL, asked, letters).model_dump()
+    (choice,) = answer["choices"]
+    assert (choice["text"], choice["token_ids"], answer["prompt_token_ids"]) == (
+        "ab",
+        [7, 8],
+        [1, 2, 3],
+    )
+    assert choice["logprobs"] == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": None,
+        "text_offset": [0, 1],
+    }
+
+
+# --- the router --------------------------------------------------------------------------------
+
+
+class Session:
+    session_id, partition, uid, index = "s1", "agent", "agent-s1", 0
+
+
+class StandInSessions:
+    """Answers every turn with `turn()`; raises what `failure` names."""
+
+    class Tokenizer:
+        def decode(self, token_ids: list[int]) -> str:
+            return "".join(letters(token_ids))
+
+    tokenizer = Tokenizer()
+
+    def __init__(self) -> None:
+        self.failure: AgentError | None = None
+        self.requests: list[Any] = []
+
+    def get(self, session_id: str) -> Session:
+        if session_id != "s1":
+            raise AgentError(ErrorKind.NOT_FOUND, "unknown session", code="session_not_found")
+        return Session()
+
+    async def chat(self, session_id: str, request: ChatRequest) -> TurnResult:
+        self.requests.append(request)
+        if self.failure is not None:
+            raise self.failure
+        return turn()
+
+    async def abort(self, session_id: str, reason: str) -> SessionEnd:
+        self.get(session_id)
+        return SessionEnd(session_id, "failed", "agent-s1_0", 1, 3, 2, reason)
+
+
+def test_the_router_answers_every_failure_in_openai_shape_with_its_status() -> None:
+    sessions = StandInSessions()
+    server = AgentHttpServer(sessions, AgentHttpConfig(model_name=MODEL, max_request_bytes=2048))  # type: ignore[arg-type]
+    path = "/sessions/s1/v1/chat/completions"
+
+    async def main() -> list[tuple[int, Any]]:
+        answers = []
+        async with TestClient(TestServer(server.application())) as client:
+
+            async def post(path: str, data: Any, **kwargs: Any) -> None:
+                raw = data if isinstance(data, bytes) else json.dumps(data)
+                async with client.post(path, data=raw, **kwargs) as response:
+                    answers.append((response.status, await response.json()))
+
+            await post(path, chat(max_tokens=3))
+            await post(path, b"{not json")
+            await post(path, b"[1]")
+            await post(path, chat(n=2))
+            await post("/sessions/nope/v1/chat/completions", chat())
+            await post("/v1/chat/completions", chat(), headers={"X-Relayrl-Session": "other"})
+            await post(path, chat(), headers={"X-Relayrl-Session": "other"})
+            await post(path, b"x" * 4096)
+            await post("/no/such/route", {})
+            await post("/sessions/s1/abort", b"")
+            for kind in ErrorKind:
+                sessions.failure = AgentError(kind, f"{kind.name} happened", code="why")
+                await post(path, chat())
+            sessions.failure = None
+            async with client.get(path) as response:
+                answers.append((response.status, await response.json()))
+        return answers
+
+    answers = asyncio.run(main())
+    statuses = [status for status, _ in answers]
+    assert statuses == [
+        200,
+        400,
+        400,
+        400,
+        404,
+        404,
+        400,
+        413,
+        404,
+        200,
+        400,
+        404,
+        409,
+        410,
+        429,
+        502,
+        503,
+        405,
+    ]
+    for _, body in answers[1:9] + answers[10:]:
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert answers[0][1]["choices"][0]["message"]["content"] == "ab"
+    assert sessions.requests[0].sampling.max_tokens == 3
+    assert answers[3][1]["error"]["param"] == "n"
+    assert answers[4][1]["error"]["code"] == "session_not_found"
+    assert "X-Relayrl-Session names other" in answers[6][1]["error"]["message"]
+    assert answers[9][1]["reason"] == ""  # an empty abort body: no reason given
+    assert [body["error"]["type"] for _, body in answers[10:17]] == [k.value for k in ErrorKind]
