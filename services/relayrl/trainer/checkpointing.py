@@ -27,12 +27,15 @@ import logging
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from relayrl.trainer.model import current_layout, unwrap_model
+
+if TYPE_CHECKING:
+    from relayrl.trainer.runtime import PolicyModel, PolicyOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +146,9 @@ def _restore_adam_steps(optimizer: Any, steps: list[float | None]) -> None:
             param_state["step"] = torch.tensor(step)
 
 
-def _sharded_state_dict(model: torch.nn.Module, optimizer: Any, *, is_loading: bool) -> dict:
+def _sharded_state_dict(
+    model: PolicyModel, optimizer: PolicyOptimizer, *, is_loading: bool
+) -> dict:
     _allocate_optimizer_state(optimizer)
     model_sd = unwrap_model(model).sharded_state_dict()
     return {
@@ -161,7 +166,7 @@ def _sharded_state_dict(model: torch.nn.Module, optimizer: Any, *, is_loading: b
 
 
 def save_checkpoint(
-    directory: Path, model: torch.nn.Module, optimizer: Any, common: dict[str, Any]
+    directory: Path, model: PolicyModel, optimizer: PolicyOptimizer, common: dict[str, Any]
 ) -> Path:
     """Save model, optimizer, `common` (JSON-serialisable) and every rank's RNG to
     `directory`, atomically. Collective: every rank calls it with the same arguments.
@@ -206,7 +211,9 @@ def save_checkpoint(
     return directory
 
 
-def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+def load_checkpoint(
+    directory: Path, model: PolicyModel, optimizer: PolicyOptimizer
+) -> dict[str, Any]:
     """Load model and optimizer state and this rank's RNG states from `directory`; return the
     `common` dict it was saved with. Collective. The model/optimizer shards reshard to the
     current parallel layout; the RNG states are restored only when the world size is the one

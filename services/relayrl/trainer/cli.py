@@ -65,6 +65,8 @@ def sft_main(argv: Sequence[str]) -> int:
     ]
     if args.lr <= 0:
         problems.append("--lr must be > 0")
+    elif args.lr > 1:  # the bound of OptimizerSettings.lr, which the warm start builds
+        problems.append("--lr must be <= 1")
     if args.target_accuracy is not None and not (
         args.eval_data is not None and 0.0 < args.target_accuracy <= 1.0
     ):

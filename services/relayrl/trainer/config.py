@@ -10,7 +10,7 @@ here, at start, with one line that says what to change.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -18,6 +18,18 @@ from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel
 from relayrl.tq.config import TQConfig
 from relayrl.trainer.advantages import AdvantageSettings
 from relayrl.trainer.losses import LossSettings
+
+if TYPE_CHECKING:  # the builders import their components when called, not the config
+    from relayrl.tq import TransferQueue
+    from relayrl.trainer.feeder import PromptFeeder
+    from relayrl.trainer.loop import Control, Leader, Status, TrainingLoop
+    from relayrl.trainer.metrics import TrainerMetrics
+    from relayrl.trainer.modes import TrainerMode
+    from relayrl.trainer.publish import WeightPublisher
+    from relayrl.trainer.replay import ReplaySampler
+    from relayrl.trainer.rollout_link import GatewayLink
+    from relayrl.trainer.runtime import LRScheduler, Policy, PolicyModel, PolicyOptimizer
+    from relayrl.trainer.step import DataParallel, Updater
 
 MODES = ("sync", "colocate_async", "separate_async")
 
@@ -48,7 +60,12 @@ class ModelSettings(StrictModel):
 
 
 class OptimizerSettings(StrictModel):
-    """Adam through megatron's optimizer (distributed optimizer selectable)."""
+    """Adam through megatron's optimizer (distributed optimizer selectable); the one optimizer
+    settings type of the trainer and of `relayrl-trainer sft`.
+
+        optimizer = settings.build(model)
+        scheduler = settings.build_scheduler(optimizer, num_updates=total_steps * k)
+    """
 
     lr: float = Field(1e-5, gt=0, le=1.0, description="Peak learning rate.")
     min_lr: float = Field(0.0, ge=0, description="Floor of the schedule.")
@@ -70,6 +87,32 @@ class OptimizerSettings(StrictModel):
         if self.min_lr > self.lr:
             raise ValueError(f"optim.min_lr ({self.min_lr}) must be <= optim.lr ({self.lr})")
         return self
+
+    def build(self, model: PolicyModel) -> PolicyOptimizer:
+        """megatron's Adam over `model` (see `relayrl.trainer.model.build_optimizer`)."""
+        from relayrl.trainer.model import build_optimizer
+
+        return build_optimizer(model, self)
+
+    def build_scheduler(self, optimizer: PolicyOptimizer, num_updates: int) -> LRScheduler:
+        """The learning-rate schedule over the run's `num_updates` local optimizer updates:
+        linear warm-up from 0 (when warmup_updates > 0), then `schedule` down to min_lr."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        num_updates = max(1, num_updates)
+        return OptimizerParamScheduler(
+            optimizer,
+            init_lr=self.lr if self.warmup_updates == 0 else 0.0,
+            max_lr=self.lr,
+            min_lr=self.min_lr if self.schedule != "constant" else self.lr,
+            lr_warmup_steps=min(self.warmup_updates, num_updates - 1),
+            lr_decay_steps=num_updates,
+            lr_decay_style=self.schedule,
+            start_wd=self.weight_decay,
+            end_wd=self.weight_decay,
+            wd_incr_steps=num_updates,
+            wd_incr_style="constant",
+        )
 
 
 class StalenessSettings(StrictModel):
@@ -164,6 +207,12 @@ class AlgorithmSettings(StrictModel):
         return self.staleness.threshold or default_staleness_bound(
             self.mode, self.eta, self.parameter_sync_step
         )
+
+    def build_mode(self) -> TrainerMode:
+        """The strategy object of `mode`, from the one table in `relayrl.trainer.modes`."""
+        from relayrl.trainer.modes import mode_for
+
+        return mode_for(self.mode)
 
 
 def default_staleness_bound(mode: str, eta: int, k: int) -> int:
@@ -292,7 +341,119 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _mode_rules(self) -> TrainerConfig:
-        from relayrl.trainer.modes import mode_for  # the table of modes checks its own rules
-
-        mode_for(self.algorithm.mode).check(self)
+        self.algorithm.build_mode().check(self)  # the table of modes checks its own rules
         return self
+
+    # -- the runtime (torchtitan's Config.build()): each builder imports its component when
+    # called, so loading a config stays free of torch and megatron. A run builds its mode once
+    # and hands that instance to the leader and the loop.
+
+    def build_mode(self) -> TrainerMode:
+        return self.algorithm.build_mode()
+
+    def build_policy(self) -> Policy:
+        """Model, optimizer, schedule (and reference model) of this rank; collective."""
+        from relayrl.trainer.runtime import build_policy
+
+        return build_policy(self)
+
+    def build_publisher(self) -> WeightPublisher:
+        from relayrl.trainer.publish import build_publisher
+
+        return build_publisher(
+            self.publish, self.model.hf_dir, outage_timeout_s=self.outage_timeout_s
+        )
+
+    def build_updater(self, policy: Policy, data_parallel: DataParallel) -> Updater:
+        """The step's policy update, or its benchmark stand-in (`emulated_update_s`)."""
+        from relayrl.trainer.step import EmulatedUpdater, PolicyUpdater
+
+        if self.emulated_update_s is not None:
+            return EmulatedUpdater(self.emulated_update_s)
+        return PolicyUpdater(
+            self.algorithm,
+            policy.model,
+            policy.optimizer,
+            policy.scheduler,
+            ref_model=policy.ref_model,
+            data_parallel=data_parallel,
+        )
+
+    def build_feeder(self, tq: TransferQueue) -> PromptFeeder | None:
+        """The prompt feeder of `data.prompts_file`; None when someone else feeds."""
+        from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, load_prompts
+
+        data = self.data
+        if data.prompts_file is None:
+            return None
+        template = GroupTemplate(
+            partition=data.partition,
+            run_id=data.run_id,
+            samples_per_prompt=data.samples_per_prompt,
+            max_tokens=data.max_tokens,
+            temperature=data.sampling_temperature or self.algorithm.temperature,
+            default_agent=data.agent,
+        )
+        return PromptFeeder(tq, load_prompts(data.prompts_file), template, data.shuffle_seed)
+
+    def build_sampler(self, tq: TransferQueue) -> ReplaySampler:
+        """The staleness gate over `data.partition`."""
+        from relayrl.trainer.replay import ReplaySampler
+
+        data, algorithm = self.data, self.algorithm
+        return ReplaySampler(
+            tq,
+            data.partition,
+            policy=algorithm.staleness.policy,
+            threshold=algorithm.staleness_threshold,
+            poll_interval_s=data.poll_interval_s,
+            wait_timeout_s=data.wait_timeout_s,
+            refill_per_filtered=algorithm.refill_per_filtered,
+            outage_timeout_s=self.outage_timeout_s,
+        )
+
+    def build_gateway_link(self) -> GatewayLink | None:
+        from relayrl.trainer.rollout_link import GatewayLink
+
+        if self.gateway is None:
+            return None
+        return GatewayLink(self.gateway, outage_timeout_s=self.outage_timeout_s)
+
+    def build_leader(self, tq: TransferQueue, mode: TrainerMode) -> Leader:
+        """Rank 0's side of every step, over an open TransferQueue."""
+        from relayrl.trainer.loop import Leader
+
+        return Leader(
+            self,
+            tq,
+            mode,
+            feeder=self.build_feeder(tq),
+            sampler=self.build_sampler(tq),
+            gateway=self.build_gateway_link(),
+        )
+
+    def build_loop(
+        self,
+        policy: Policy,
+        mode: TrainerMode,
+        *,
+        leader: Leader | None = None,
+        metrics: TrainerMetrics | None = None,
+        control: Control | None = None,
+        status: Status | None = None,
+    ) -> TrainingLoop:
+        """The training loop of this rank (`leader` only on rank 0, built with the same
+        `mode`); needs megatron's process groups (`build_policy`) first."""
+        from relayrl.trainer.loop import TrainingLoop, data_parallel_from_megatron
+
+        return TrainingLoop(
+            self,
+            policy,
+            mode=mode,
+            publisher=self.build_publisher(),
+            updater=self.build_updater(policy, data_parallel_from_megatron()),
+            leader=leader,
+            metrics=metrics,
+            control=control,
+            status=status,
+        )

@@ -18,10 +18,13 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from relayrl.trainer.runtime import PolicyModel, PolicyOptimizer
 
 # loss_fn(logp_bT, row_slice) -> (loss contribution, metrics)
 LossFn = Callable[[torch.Tensor, slice], tuple[torch.Tensor, dict[str, float]]]
@@ -155,7 +158,7 @@ def _loss_func(
 
 
 def _run_schedule(
-    model: torch.nn.Module,
+    model: PolicyModel,
     batch: TokenBatch,
     *,
     micro_batch_size: int,
@@ -190,7 +193,7 @@ def _run_schedule(
 
 
 def forward_logprobs(
-    model: torch.nn.Module, batch: TokenBatch, *, micro_batch_size: int, temperature: float = 1.0
+    model: PolicyModel, batch: TokenBatch, *, micro_batch_size: int, temperature: float = 1.0
 ) -> torch.Tensor:
     """float32 [B, T]: `logp[b, t] = log softmax(logits[b, t-1] / temperature)[ids[b, t]]` for
     1 <= t < lengths[b], 0 elsewhere; forward only, no gradients. Under tensor parallelism
@@ -209,7 +212,7 @@ def forward_logprobs(
 
 
 def forward_backward(
-    model: torch.nn.Module,
+    model: PolicyModel,
     batch: TokenBatch,
     *,
     micro_batch_size: int,
@@ -242,7 +245,7 @@ def forward_backward(
     )
 
 
-def optimizer_step(optimizer: Any) -> tuple[bool, float]:
+def optimizer_step(optimizer: PolicyOptimizer) -> tuple[bool, float]:
     """Clip, step and report: (update applied, global gradient L2 norm before clipping).
 
     An update is skipped (False) only when fp16 loss scaling finds inf/nan; the norm is

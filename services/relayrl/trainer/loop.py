@@ -19,8 +19,10 @@ import logging
 import random
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -35,13 +37,14 @@ from relayrl.tq.queue import TQUnavailableError
 from relayrl.trainer.advantages import GroupRewards, dapo_filter
 from relayrl.trainer.batch import ScoredGroup, is_valid, scored_groups
 from relayrl.trainer.config import TrainerConfig
-from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, load_prompts
+from relayrl.trainer.feeder import PromptFeeder
 from relayrl.trainer.metrics import StepMetrics, TrainerMetrics
-from relayrl.trainer.modes import TrainerMode, mode_for
-from relayrl.trainer.publish import WeightPublisher, build_publisher
+from relayrl.trainer.modes import TrainerMode
+from relayrl.trainer.publish import WeightPublisher
 from relayrl.trainer.replay import ReplaySampler, SamplingStopped, Verdict
 from relayrl.trainer.rollout_link import GatewayLink
-from relayrl.trainer.step import DataParallel, EmulatedUpdater, PolicyUpdater, StepResult
+from relayrl.trainer.runtime import LRScheduler, Policy, PolicyOptimizer
+from relayrl.trainer.step import DataParallel, StepResult, Updater
 
 logger = logging.getLogger(__name__)
 
@@ -82,64 +85,41 @@ class Status:
     error: str = ""
 
 
-def build_scheduler(config: TrainerConfig, optimizer: Any) -> Any:
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    optim = config.optim
-    total_updates = max(1, config.total_steps * config.algorithm.parameter_sync_step)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=optim.lr if optim.warmup_updates == 0 else 0.0,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr if optim.schedule != "constant" else optim.lr,
-        lr_warmup_steps=min(optim.warmup_updates, total_updates - 1),
-        lr_decay_steps=total_updates,
-        lr_decay_style=optim.schedule,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
-        wd_incr_steps=total_updates,
-        wd_incr_style="constant",
+def build_scheduler(config: TrainerConfig, optimizer: PolicyOptimizer) -> LRScheduler:
+    """Deprecated: `config.optim.build_scheduler(optimizer, num_updates)`."""
+    warnings.warn(
+        "relayrl.trainer.loop.build_scheduler is deprecated; use "
+        "relayrl.trainer.config.OptimizerSettings.build_scheduler",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return config.optim.build_scheduler(
+        optimizer, num_updates=config.total_steps * config.algorithm.parameter_sync_step
     )
 
 
 class Leader:
-    """Rank 0's side of a step: feed, gate, consume; then metrics and the gateway."""
+    """Rank 0's side of a step: feed, gate, consume; then metrics and the gateway.
+    Built by `TrainerConfig.build_leader`, which builds its feeder, sampler and gateway link."""
 
-    def __init__(self, config: TrainerConfig, tq: TransferQueue, mode: TrainerMode) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        tq: TransferQueue,
+        mode: TrainerMode,
+        *,
+        feeder: PromptFeeder | None,
+        sampler: ReplaySampler,
+        gateway: GatewayLink | None,
+    ) -> None:
         self.config = config
         self.tq = tq
         self.mode = mode
-        data, algorithm = config.data, config.algorithm
-        self.partition = data.partition
-        self.feeder: PromptFeeder | None = None
-        if data.prompts_file is not None:
-            template = GroupTemplate(
-                partition=data.partition,
-                run_id=data.run_id,
-                samples_per_prompt=data.samples_per_prompt,
-                max_tokens=data.max_tokens,
-                temperature=data.sampling_temperature or algorithm.temperature,
-                default_agent=data.agent,
-            )
-            self.feeder = PromptFeeder(
-                tq, load_prompts(data.prompts_file), template, data.shuffle_seed
-            )
-        self.sampler = ReplaySampler(
-            tq,
-            data.partition,
-            policy=algorithm.staleness.policy,
-            threshold=algorithm.staleness_threshold,
-            poll_interval_s=data.poll_interval_s,
-            wait_timeout_s=data.wait_timeout_s,
-            refill_per_filtered=algorithm.refill_per_filtered,
-            outage_timeout_s=config.outage_timeout_s,
-        )
+        self.partition = config.data.partition
+        self.feeder = feeder
+        self.sampler = sampler
         self.refill_groups = 0
-        self.gateway = (
-            GatewayLink(config.gateway, outage_timeout_s=config.outage_timeout_s)
-            if config.gateway is not None
-            else None
-        )
+        self.gateway = gateway
         self._announced_at = 0.0
 
     def _through_outage(self, what: str, function: Callable[[], Any]) -> Any:
@@ -244,49 +224,35 @@ class Leader:
 
 
 class TrainingLoop:
-    """Runs on every rank. `leader` is None on ranks other than 0."""
+    """Runs on every rank. `leader` is None on ranks other than 0; on rank 0 it holds the
+    same `mode` instance as the loop. Built by `TrainerConfig.build_loop`."""
 
     def __init__(
         self,
         config: TrainerConfig,
+        policy: Policy,
         *,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
-        spec: Any,
-        ref_model: Any = None,
+        mode: TrainerMode,
+        publisher: WeightPublisher,
+        updater: Updater,
         leader: Leader | None = None,
         metrics: TrainerMetrics | None = None,
-        publisher: WeightPublisher | None = None,
         control: Control | None = None,
         status: Status | None = None,
-        data_parallel: DataParallel | None = None,
     ) -> None:
+        assert leader is None or leader.mode is mode, "the leader and the loop share one mode"
         self.config = config
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.spec = spec
+        self.model = policy.model
+        self.optimizer = policy.optimizer
+        self.scheduler = policy.scheduler
+        self.spec = policy.spec
         self.leader = leader
         self.metrics = metrics
-        self.mode: TrainerMode = mode_for(config.algorithm.mode)
-        self.publisher = publisher or build_publisher(
-            config.publish, config.model.hf_dir, outage_timeout_s=config.outage_timeout_s
-        )
+        self.mode = mode
+        self.publisher = publisher
         self.control = control or Control()
         self.status = status or Status()
-        self.updater: PolicyUpdater | EmulatedUpdater = (
-            EmulatedUpdater(config.emulated_update_s)
-            if config.emulated_update_s is not None
-            else PolicyUpdater(
-                config.algorithm,
-                model,
-                optimizer,
-                scheduler,
-                ref_model=ref_model,
-                data_parallel=data_parallel or DataParallel(),
-            )
-        )
+        self.updater = updater
         self.step = 0
 
     @property
@@ -470,7 +436,7 @@ class TrainingLoop:
         )
 
 
-def _prune_checkpoints(root: Any, keep: int) -> None:
+def _prune_checkpoints(root: Path, keep: int) -> None:
     import shutil
 
     snapshots = sorted(p for p in root.glob("step-*") if p.is_dir())

@@ -5,7 +5,7 @@ a launcher that runs a function on N local ranks.
     spec = ModelSpec.from_hf_dir(hf_dir)
     model = build_model(spec)                                 # megatron DDP(GPTModel)
     load_hf_dir(model, hf_dir)
-    optimizer = build_optimizer(model, OptimizerSettings(lr=1e-6))
+    optimizer = OptimizerSettings(lr=1e-6).build(model)       # relayrl.trainer.config
 
 On a machine without CUDA everything runs on the CPU with gloo (`megatron_compat`); the same
 code runs megatron as written where CUDA is available.
@@ -14,6 +14,7 @@ code runs megatron as written where CUDA is available.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -25,11 +26,12 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,10 @@ from safetensors.torch import save_file
 
 from relayrl.trainer.hf_mapping import ModelSpec, export_hf_tensors, hf_to_mcore
 from relayrl.trainer.megatron_compat import install_cpu_compat
+
+if TYPE_CHECKING:
+    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.runtime import PolicyModel, PolicyOptimizer
 
 WEIGHTS_FILE = "model.safetensors"
 # What a Hugging Face folder holds besides its weights; copied verbatim by `save_hf_dir`.
@@ -192,7 +198,7 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     use_distributed_optimizer: bool = False,
     bucket_size: int | None = None,
-) -> Any:
+) -> PolicyModel:
     """A megatron DDP-wrapped GPTModel (local layer spec: RMSNorm, SwiGLU, RoPE with the spec's
     theta, GQA, QKV bias and tied embeddings as the spec says), randomly initialised.
 
@@ -244,7 +250,7 @@ def build_model(
     return model
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(model: torch.nn.Module | PolicyModel) -> torch.nn.Module:
     """The GPTModel inside megatron's DDP (or any `.module` wrapper)."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
@@ -330,37 +336,12 @@ def save_hf_dir(
     return written
 
 
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """Adam(W) hyper-parameters and gradient clipping for `build_optimizer`."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Floor of the learning-rate schedule (used by an LR scheduler, not by the optimizer)."""
-    weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay; megatron skips biases and norm weights."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    """Clip the global gradient L2 norm to this value; 0 turns clipping off."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr {self.lr} must be positive")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr {self.min_lr} must lie in [0, lr]")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise ValueError("adam betas must lie in [0, 1)")
-        if self.weight_decay < 0 or self.adam_eps <= 0 or self.clip_grad < 0:
-            raise ValueError("weight_decay and clip_grad must be >= 0 and adam_eps > 0")
-
-
-def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> Any:
+def build_optimizer(model: PolicyModel, settings: OptimizerSettings) -> PolicyOptimizer:
     """megatron's optimizer (Adam with decoupled weight decay, fp32 main params, global
     gradient-norm clipping) over the DDP model; distributed (ZeRO-1) exactly when the model
-    was built with `use_distributed_optimizer=True`."""
+    was built with `use_distributed_optimizer=True` (the model decides, not
+    `settings.use_distributed_optimizer`, which is what the model is built from).
+    `settings.build(model)` calls this."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = unwrap_model(model).config
@@ -369,9 +350,9 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> Any:
         lr=settings.lr,
         min_lr=settings.min_lr,
         weight_decay=settings.weight_decay,
-        adam_beta1=settings.adam_beta1,
-        adam_beta2=settings.adam_beta2,
-        adam_eps=settings.adam_eps,
+        adam_beta1=settings.beta1,
+        adam_beta2=settings.beta2,
+        adam_eps=settings.eps,
         clip_grad=settings.clip_grad,
         bf16=config.bf16,
         fp16=config.fp16,
@@ -383,6 +364,58 @@ def build_optimizer(model: torch.nn.Module, settings: OptimizerSettings) -> Any:
     # optimizer's loss scale before backward (1 except with fp16 loss scaling).
     config.grad_scale_func = optimizer.scale_loss
     return optimizer
+
+
+@functools.cache
+def _deprecated_optimizer_settings() -> type[OptimizerSettings]:
+    """The `OptimizerSettings` dataclass this module had, as a subclass of the one settings
+    type: its field names (adam_beta1, adam_beta2, adam_eps), its lr default (1e-6), no upper
+    bound on lr, frozen."""
+    from pydantic import ConfigDict, Field, model_validator
+
+    from relayrl.trainer.config import OptimizerSettings
+
+    renamed = {"adam_beta1": "beta1", "adam_beta2": "beta2", "adam_eps": "eps"}
+
+    class DeprecatedOptimizerSettings(OptimizerSettings):
+        """Deprecated: `relayrl.trainer.config.OptimizerSettings` (beta1, beta2, eps)."""
+
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+
+        @model_validator(mode="before")
+        @classmethod
+        def _old_names(cls, data: Any) -> Any:
+            if isinstance(data, dict):
+                data = {renamed.get(key, key): value for key, value in data.items()}
+            return data
+
+        @property
+        def adam_beta1(self) -> float:
+            return self.beta1
+
+        @property
+        def adam_beta2(self) -> float:
+            return self.beta2
+
+        @property
+        def adam_eps(self) -> float:
+            return self.eps
+
+    return DeprecatedOptimizerSettings
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OptimizerSettings":
+        warnings.warn(
+            "relayrl.trainer.model.OptimizerSettings is deprecated; use "
+            "relayrl.trainer.config.OptimizerSettings (fields beta1, beta2, eps; build with "
+            "settings.build(model))",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _deprecated_optimizer_settings()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------- launcher

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -21,11 +21,16 @@ from relayrl.trainer.config import (
     WeightSyncPublishSettings,
 )
 
+if TYPE_CHECKING:
+    from relayrl.trainer.hf_mapping import ModelSpec
+    from relayrl.trainer.runtime import PolicyModel
+    from relayrl.weightsync.sender import WeightSyncSender
+
 
 class WeightPublisher(ABC):
     @abstractmethod
     def publish(
-        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+        self, version: int, model: PolicyModel, spec: ModelSpec, *, supersede: bool = False
     ) -> dict[str, float]:
         """Makes `version` of `model` available to rollout; returns metrics (bytes, ...).
         `supersede`: the trainer resumed from a checkpoint, and rollout may hold a newer
@@ -41,7 +46,7 @@ class NoPublisher(WeightPublisher):
         pass
 
     def publish(
-        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+        self, version: int, model: PolicyModel, spec: ModelSpec, *, supersede: bool = False
     ) -> dict[str, float]:
         return {}
 
@@ -58,7 +63,7 @@ class HfDirPublisher(WeightPublisher):
         return self._settings.dir / f"v{version}"
 
     def publish(
-        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+        self, version: int, model: PolicyModel, spec: ModelSpec, *, supersede: bool = False
     ) -> dict[str, float]:
         from relayrl.trainer.model import save_hf_dir
 
@@ -99,9 +104,9 @@ class WeightSyncPublisher(WeightPublisher):
     ) -> None:
         self._settings = settings
         self._outage_timeout_s = outage_timeout_s
-        self._sender: Any = None
+        self._sender: WeightSyncSender | None = None
 
-    def _connect(self) -> Any:
+    def _connect(self) -> WeightSyncSender:
         if self._sender is None:
             from relayrl.weightsync.sender import WeightSyncSender
 
@@ -127,7 +132,7 @@ class WeightSyncPublisher(WeightPublisher):
         return self._outage().call(sender.committed_version, (grpc.RpcError,))
 
     def publish(
-        self, version: int, model: Any, spec: Any, *, supersede: bool = False
+        self, version: int, model: PolicyModel, spec: ModelSpec, *, supersede: bool = False
     ) -> dict[str, float]:
         import grpc
 

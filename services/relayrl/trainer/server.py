@@ -25,14 +25,21 @@ import sys
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
 from relayrl.core.logs import setup_logging
 from relayrl.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:  # torch and megatron load after the config, in the process that trains
+    from relayrl.core.grpc_server import GrpcService
+    from relayrl.tq import TransferQueue
+    from relayrl.trainer.loop import Control, Leader, Status, TrainingLoop
+    from relayrl.trainer.metrics import TrainerMetrics
+    from relayrl.trainer.modes import TrainerMode
+    from relayrl.trainer.servicer import TrainerServicer
 
 logger = logging.getLogger(__name__)
 
@@ -40,70 +47,20 @@ TRAINER_SERVICE = "relayrl.proto.trainer.v1.Trainer"
 EXIT_FAILED = 1
 
 
-@dataclass
-class Runtime:
-    """Everything megatron-side one rank trains with."""
-
-    spec: Any
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    ref_model: Any
-    layout: Any
-
-
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def build_runtime(config: TrainerConfig) -> Runtime:
-    from relayrl.trainer.hf_mapping import ModelSpec
-    from relayrl.trainer.loop import build_scheduler, seed_everything
-    from relayrl.trainer.model import (
-        OptimizerSettings,
-        build_model,
-        build_optimizer,
-        init_parallel,
-        load_hf_dir,
-    )
-
-    m, o = config.model, config.optim
-    # every rank waits in a collective while rank 0 waits for data: give it the data wait
-    layout = init_parallel(m.tensor_parallel, m.seed, timeout_s=config.data.wait_timeout_s + 600)
-    if layout.world_size != m.tensor_parallel * m.data_parallel:
-        raise ValueError(
-            f"world size {layout.world_size} != model.tensor_parallel ({m.tensor_parallel}) x "
-            f"model.data_parallel ({m.data_parallel})"
+def __getattr__(name: str) -> Any:
+    # Moved to relayrl.trainer.runtime (built by TrainerConfig.build_policy).
+    moved = {"Runtime": "Policy", "build_runtime": "build_policy"}
+    if name in moved:
+        warnings.warn(
+            f"relayrl.trainer.server.{name} is deprecated; use "
+            f"relayrl.trainer.runtime.{moved[name]} (or TrainerConfig.build_policy())",
+            DeprecationWarning,
+            stacklevel=2,
         )
-    seed_everything(m.seed + layout.rank)
-    spec = ModelSpec.from_hf_dir(m.hf_dir)
-    dtype = _torch_dtype(m.params_dtype)
-    model = build_model(
-        spec, params_dtype=dtype, use_distributed_optimizer=o.use_distributed_optimizer
-    )
-    load_hf_dir(model, m.hf_dir)
-    optimizer = build_optimizer(
-        model,
-        OptimizerSettings(
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.beta1,
-            adam_beta2=o.beta2,
-            adam_eps=o.eps,
-            clip_grad=o.clip_grad,
-        ),
-    )
-    scheduler = build_scheduler(config, optimizer)
-    ref_model = None
-    if config.algorithm.loss.kl_coef > 0:
-        ref_model = build_model(spec, params_dtype=dtype)
-        load_hf_dir(ref_model, m.hf_dir)
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
-    return Runtime(spec, model, optimizer, scheduler, ref_model, layout)
+        from relayrl.trainer import runtime
+
+        return getattr(runtime, moved[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- ranks -------------------------------------------------------------------------------------
@@ -169,14 +126,16 @@ def _stop_children(children: list[subprocess.Popen]) -> None:
 class _ServiceThread:
     """The gRPC service on its own event loop in a daemon thread."""
 
-    def __init__(self, config: TrainerConfig, servicer: Any, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, config: TrainerConfig, servicer: TrainerServicer, registry: CollectorRegistry
+    ) -> None:
         self._config = config
         self._servicer = servicer
         self._registry = registry
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stopped: asyncio.Event | None = None
-        self.service: Any = None
+        self.service: GrpcService | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="trainer-grpc", daemon=True)
 
@@ -257,96 +216,116 @@ def serve(config: TrainerConfig, ready_file: Path | None = None) -> int:
 
 
 def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
-    from relayrl.core.grpc_server import write_ready_file
-    from relayrl.core.outage import Outage, OutageTimeout
+    from relayrl.core.outage import OutageTimeout
     from relayrl.tq.errors import TQError
-    from relayrl.tq.queue import TQUnavailableError
-    from relayrl.trainer.loop import (
-        Control,
-        Leader,
-        State,
-        Status,
-        TrainingLoop,
-        data_parallel_from_megatron,
-    )
-    from relayrl.trainer.metrics import TrainerMetrics
-    from relayrl.trainer.modes import mode_for
+    from relayrl.trainer.loop import Control, State, Status
     from relayrl.trainer.replay import StepTimeout
-    from relayrl.trainer.servicer import TrainerServicer
 
     rank = int(os.environ.get("RANK", "0"))
     control, status = Control(), Status()
     _install_signal_handlers(control)
-    service: _ServiceThread | None = None
-    leader = None
-    metrics = None
+    front: _RankZeroFront | None = None
     try:
+        mode = config.build_mode()  # one instance: the leader's and the loop's
         if rank == 0:
-            from relayrl.tq import TransferQueue
-            from relayrl.tq.metrics import TQCollector
-
-            registry = CollectorRegistry()
-            servicer = TrainerServicer(
-                status,
-                control,
-                mode=config.algorithm.mode,
-                total_steps=config.total_steps,
-                world_size=config.model.tensor_parallel * config.model.data_parallel,
-                checkpoints_enabled=config.checkpoint.dir is not None,
-            )
-            service = _ServiceThread(config, servicer, registry)
-            service.start()
-            metrics = TrainerMetrics(
-                registry, config.metrics_log, config.algorithm.staleness_threshold
-            )
-
-            def open_queue() -> TransferQueue:
-                queue = TransferQueue.from_config(config.tq)
-                queue.check_durability()  # DurabilityError: refuse to start (one line)
-                return queue
-
-            tq = Outage(f"the TransferQueue ({config.tq.url})", config.outage_timeout_s).call(
-                open_queue, (TQUnavailableError,)
-            )
-            registry.register(
-                TQCollector(tq, "trainer", [config.data.partition], lambda: status.step)
-            )
-            leader = Leader(config, tq, mode_for(config.algorithm.mode))
-        runtime = build_runtime(config)
-        loop = TrainingLoop(
-            config,
-            model=runtime.model,
-            optimizer=runtime.optimizer,
-            scheduler=runtime.scheduler,
-            spec=runtime.spec,
-            ref_model=runtime.ref_model,
-            leader=leader,
-            metrics=metrics,
+            front = _RankZeroFront(config, control, status)
+            front.start(mode)
+        loop = config.build_loop(
+            config.build_policy(),
+            mode,
+            leader=front.leader if front else None,
+            metrics=front.metrics if front else None,
             control=control,
             status=status,
-            data_parallel=data_parallel_from_megatron(),
         )
-        loop.restore()
-        if service is not None and ready_file is not None:
-            write_ready_file(ready_file, service.service, {"rank": rank, "step": loop.step})
-        status.state = State.WAITING
-        loop.run()
-        if control.stop and loop.step % config.checkpoint.interval_steps:
-            loop.save()  # a requested stop keeps the work of the last steps
-        logger.info("trainer stopped at step %d", loop.step)
-        return 0
+        return _train(loop, front, ready_file, rank)
     except (StepTimeout, OutageTimeout, ValueError, TQError, OSError) as exc:  # one line
         status.state, status.error = State.FAILED, str(exc)
         logger.error("%s", exc)
         return EXIT_FAILED
     finally:
-        if metrics is not None:
-            metrics.close()
-        if service is not None:
-            service.stop()
+        if front is not None:
+            front.close()
 
 
-def _install_signal_handlers(control: Any) -> None:
+class _RankZeroFront:
+    """What rank 0 runs besides training: the gRPC service, the metrics and the leader over
+    the TransferQueue. Started before the policy is built, so status answers during the load."""
+
+    def __init__(self, config: TrainerConfig, control: Control, status: Status) -> None:
+        self._config = config
+        self._control = control
+        self._status = status
+        self.service: _ServiceThread | None = None
+        self.metrics: TrainerMetrics | None = None
+        self.leader: Leader | None = None
+
+    def start(self, mode: TrainerMode) -> None:
+        from relayrl.tq.metrics import TQCollector
+        from relayrl.trainer.metrics import TrainerMetrics
+        from relayrl.trainer.servicer import TrainerServicer
+
+        config, status = self._config, self._status
+        registry = CollectorRegistry()
+        servicer = TrainerServicer(
+            status,
+            self._control,
+            mode=config.algorithm.mode,
+            total_steps=config.total_steps,
+            world_size=config.model.tensor_parallel * config.model.data_parallel,
+            checkpoints_enabled=config.checkpoint.dir is not None,
+        )
+        self.service = _ServiceThread(config, servicer, registry)
+        self.service.start()
+        self.metrics = TrainerMetrics(
+            registry, config.metrics_log, config.algorithm.staleness_threshold
+        )
+        tq = _open_queue(config)
+        registry.register(TQCollector(tq, "trainer", [config.data.partition], lambda: status.step))
+        self.leader = config.build_leader(tq, mode)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.service is not None:
+            self.service.stop()
+
+
+def _open_queue(config: TrainerConfig) -> TransferQueue:
+    """The TransferQueue, once it answers (an outage is waited out for outage_timeout_s)."""
+    from relayrl.core.outage import Outage
+    from relayrl.tq import TransferQueue
+    from relayrl.tq.queue import TQUnavailableError
+
+    def open_queue() -> TransferQueue:
+        queue = TransferQueue.from_config(config.tq)
+        queue.check_durability()  # DurabilityError: refuse to start (one line)
+        return queue
+
+    return Outage(f"the TransferQueue ({config.tq.url})", config.outage_timeout_s).call(
+        open_queue, (TQUnavailableError,)
+    )
+
+
+def _train(
+    loop: TrainingLoop, front: _RankZeroFront | None, ready_file: Path | None, rank: int
+) -> int:
+    """Restore, announce readiness (rank 0), train; a requested stop saves its last steps."""
+    from relayrl.core.grpc_server import write_ready_file
+    from relayrl.trainer.loop import State
+
+    loop.restore()
+    if front is not None and front.service is not None and ready_file is not None:
+        write_ready_file(ready_file, front.service.service, {"rank": rank, "step": loop.step})
+    loop.status.state = State.WAITING
+    loop.run()
+    if loop.control.stop and loop.step % loop.config.checkpoint.interval_steps:
+        loop.save()  # a requested stop keeps the work of the last steps
+    logger.info("trainer stopped at step %d", loop.step)
+    return 0
+
+
+def _install_signal_handlers(control: Control) -> None:
     def on_signal(signum: int, frame: Any) -> None:
         if control.stop:
             logger.warning("second signal: exiting now")

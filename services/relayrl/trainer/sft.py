@@ -141,16 +141,10 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
     """Trains and writes `settings.out`; returns the first and last epoch's mean loss."""
     from transformers import AutoTokenizer
 
+    from relayrl.trainer.config import OptimizerSettings
     from relayrl.trainer.forward import TokenBatch, forward_backward, optimizer_step
     from relayrl.trainer.hf_mapping import ModelSpec
-    from relayrl.trainer.model import (
-        OptimizerSettings,
-        build_model,
-        build_optimizer,
-        init_parallel,
-        load_hf_dir,
-        save_hf_dir,
-    )
+    from relayrl.trainer.model import build_model, init_parallel, load_hf_dir, save_hf_dir
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     examples = load_examples(settings, tokenizer)
@@ -161,7 +155,7 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
     spec = ModelSpec.from_hf_dir(settings.model)
     model = build_model(spec)
     load_hf_dir(model, settings.model)
-    optimizer = build_optimizer(model, OptimizerSettings(lr=settings.lr, clip_grad=1.0))
+    optimizer = OptimizerSettings(lr=settings.lr, clip_grad=1.0).build(model)
     rng = random.Random(settings.seed)
     epoch_losses = []
     eval_accuracy = 0.0

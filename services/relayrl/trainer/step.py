@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from relayrl.trainer.losses import (
     ppo_loss_terms,
     rejection_mask,
 )
+from relayrl.trainer.runtime import LRScheduler, PolicyModel, PolicyOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class DataParallel:
 
     rank: int = 0
     size: int = 1
-    group: Any = None
+    group: dist.ProcessGroup | None = None
 
     def shard(self, num_rows: int, micro_batch_size: int) -> tuple[list[int], int]:
         """Row indices of this rank (strided, so every rank gets long and short rows alike),
@@ -63,6 +64,12 @@ class StepResult:
     # updates by construction (the tests hold the trainer to it).
     old_logp_checksums: list[float] = field(default_factory=list)
     phases_s: dict[str, float] = field(default_factory=dict)
+
+
+class Updater(Protocol):
+    """What the loop asks of a step's update: train on the kept groups, report."""
+
+    def run(self, groups: list[ScoredGroup]) -> StepResult: ...
 
 
 class EmulatedUpdater:
@@ -103,11 +110,11 @@ class PolicyUpdater:
     def __init__(
         self,
         algorithm: AlgorithmSettings,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
+        model: PolicyModel,
+        optimizer: PolicyOptimizer,
+        scheduler: LRScheduler,
         *,
-        ref_model: Any = None,
+        ref_model: PolicyModel | None = None,
         data_parallel: DataParallel | None = None,
     ) -> None:
         self._algorithm = algorithm
@@ -125,7 +132,7 @@ class PolicyUpdater:
 
     # -- forward passes over the global batch ------------------------------------------------
 
-    def _global_logprobs(self, model: Any, batch: TensorBatch) -> torch.Tensor:
+    def _global_logprobs(self, model: PolicyModel, batch: TensorBatch) -> torch.Tensor:
         """log-probs [B, T] of every row, each rank computing its shard."""
         mbs = self._algorithm.micro_batch_size
         indices, per_rank = self._dp.shard(batch.num_rows, mbs)

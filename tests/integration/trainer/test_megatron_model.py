@@ -72,6 +72,7 @@ def gathered_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def model_checks(rank: int, world_size: int, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     """TP = world size: HF load, logits, log-probs, grads, export, one step, save_hf_dir."""
+    from relayrl.trainer.config import OptimizerSettings
     from relayrl.trainer.forward import (
         TokenBatch,
         forward_backward,
@@ -81,7 +82,6 @@ def model_checks(rank: int, world_size: int, hf_dir: Path, out_dir: Path) -> dic
     from relayrl.trainer.hf_mapping import export_hf_tensors
     from relayrl.trainer.megatron_compat import install_cpu_compat
     from relayrl.trainer.model import (
-        OptimizerSettings,
         build_model,
         build_optimizer,
         init_parallel,
@@ -167,9 +167,9 @@ def checkpoint_checks(
     """Train a step, save, train on; then a fresh model + optimizer loads the checkpoint and
     must hold the saved weights, optimizer state and RNG, and take the identical next step."""
     from relayrl.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+    from relayrl.trainer.config import OptimizerSettings
     from relayrl.trainer.forward import TokenBatch, forward_backward, optimizer_step
     from relayrl.trainer.model import (
-        OptimizerSettings,
         build_model,
         build_optimizer,
         init_parallel,
@@ -223,8 +223,8 @@ def checkpoint_checks(
 
 
 def _model_and_optimizer(hf_dir: Path) -> tuple[Any, Any]:
+    from relayrl.trainer.config import OptimizerSettings
     from relayrl.trainer.model import (
-        OptimizerSettings,
         build_model,
         build_optimizer,
         init_parallel,

@@ -54,20 +54,15 @@ def make_groups(num_groups: int, seed: int = 0) -> list[ScoredGroup]:
 
 
 def build(model_dir: Path, tp: int, lr: float = 1e-3, adam_eps: float = 1e-8):
+    from relayrl.trainer.config import OptimizerSettings
     from relayrl.trainer.hf_mapping import ModelSpec
-    from relayrl.trainer.model import (
-        OptimizerSettings,
-        build_model,
-        build_optimizer,
-        init_parallel,
-        load_hf_dir,
-    )
+    from relayrl.trainer.model import build_model, init_parallel, load_hf_dir
 
     init_parallel(tp, seed=0)
     spec = ModelSpec.from_hf_dir(model_dir)
     model = build_model(spec)
     load_hf_dir(model, model_dir)
-    optimizer = build_optimizer(model, OptimizerSettings(lr=lr, adam_eps=adam_eps, clip_grad=0.0))
+    optimizer = OptimizerSettings(lr=lr, eps=adam_eps, clip_grad=0.0).build(model)
     return spec, model, optimizer
 
 
