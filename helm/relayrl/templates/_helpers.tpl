@@ -1,6 +1,6 @@
 {{/* Names, labels and the pieces every relayrl workload shares. */}}
 
-{{/* Fixed container ports (DESIGN §8; the images, dashboards and docs rely on them). */}}
+{{/* Fixed container ports (the images, dashboards and deploy/docs rely on them). */}}
 {{- define "relayrl.port.grpc" -}}50051{{- end }}
 {{- define "relayrl.port.metrics" -}}9400{{- end }}
 {{- define "relayrl.port.agent" -}}8080{{- end }}

@@ -162,7 +162,8 @@ class RewardResult:
 
 def token_level_scores(item: RewardItem, score: float) -> tuple[float, ...]:
     """One value per response token, all zero except `score` on the last token the policy
-    generated (mask 1), where a sequence-level reward belongs (003 §4.5).
+    generated (mask 1), where a sequence-level reward belongs
+    (docs/algorithms.md#token-level-reward).
 
     Raises InvalidItem when the item has no token view or no generated token."""
     num_tokens = len(item.response_token_ids)

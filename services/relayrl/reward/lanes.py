@@ -275,7 +275,8 @@ class Lane:
 
 
 def split_chunks(entries: list[Entry], num_workers: int) -> list[Unit]:
-    """The seed's split: min(num_workers, n) contiguous chunks of near-equal size."""
+    """The reference pipeline's split (docs/rewards.md#micro-batching): min(num_workers, n)
+    contiguous chunks of near-equal size."""
     num_chunks = max(1, min(num_workers, len(entries)))
     size, extra = divmod(len(entries), num_chunks)
     chunks, start = [], 0

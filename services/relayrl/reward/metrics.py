@@ -1,5 +1,5 @@
-"""The reward-service's Prometheus metrics (000 metrics.py, plus per-backend and per-tenant
-views). Labels are bounded: `tenant` is a configured principal (or `anonymous`, or
+"""The reward-service's Prometheus metrics (docs/rewards.md#overlap-ratio, plus per-backend
+and per-tenant views). Labels are bounded: `tenant` is a configured principal (or `anonymous`, or
 `pipeline` for the TransferQueue path), `manager` a configured manager name, `status` a
 RewardStatus name."""
 
@@ -148,7 +148,8 @@ class RewardMetrics:
             self.backlog_max.set(num_items)
 
     def handle_finished(self, submit_s: float, reward_s: float, collect_wait_s: float) -> None:
-        """Fold one completed, collected handle into overlap_ratio (000 metrics.py)."""
+        """Fold one completed, collected handle into overlap_ratio
+        (docs/rewards.md#overlap-ratio)."""
         self._submit_s += submit_s
         self._reward_s += reward_s
         self._collect_wait_s += collect_wait_s

@@ -1,4 +1,4 @@
-"""The reward pipeline (the seed's AsyncRewardPipeline, 000): submissions enter a bounded
+"""The reward pipeline (docs/rewards.md#submit-and-collect): submissions enter a bounded
 backlog, one lane per manager turns them into backend calls, results come back in input order.
 
     submit(items) -> Handle          validation, back-pressure, then queued in the lane
@@ -9,11 +9,11 @@ How a lane forms calls (`BatchingConfig`):
 - micro-batching off (`micro_batch_size: 0`): each submission is split into
   min(num_workers, n) chunks and each chunk is one call, at most `num_workers` calls at once.
   A submission smaller than the worker count therefore degenerates to per-item calls, exactly
-  as the seed measured (000 §2.4).
+  as the reference benchmark measured (docs/rewards.md#reference-benchmark).
 - micro-batching on: items from every submission wait together; a call is sent when
   `micro_batch_size` items are waiting or the oldest has waited `micro_batch_timeout_ms`, with
   up to `max_inflight_calls` calls at once. Items streamed one at a time thus reach the backend
-  as few large requests (000 "能力二").
+  as few large requests (docs/rewards.md#micro-batching).
 - group-aware managers (gdpo) get whole groups in one call: items that carry
   `extra.group_size` wait in a gate until their group is complete (or `group_timeout_s`
   passes: TIMEOUT); otherwise a group is the items of one submission sharing `group_id`.

@@ -1,5 +1,5 @@
-"""The TransferQueue front door (streaming path B of 000): score trajectories as they become
-`finished`, write the results back, and mark them `scored`.
+"""The TransferQueue front door (docs/rewards.md#transferqueue-scorer): score trajectories as
+they become `finished`, write the results back, and mark them `scored`.
 
 Delivery is at-least-once and the effect exactly-once: every replica reads the partition's
 event stream through one consumer group, acknowledges an event only after its score is

@@ -64,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sim = sub.add_parser(
         "sim",
         help="simulate a rollout pipeline (throughput, utilisation, staleness)",
-        description="A discrete-event simulation of a rollout pipeline (seed 001, 13.3): N "
+        description="A discrete-event simulation of a rollout pipeline (docs/simulation.md): N "
         "generation slots, a trainer taking B finished rollouts per step, weight syncs that "
         "pause generation. Prints rollouts/hour, slot utilisation, staleness of trained "
         "rollouts and more; --reproduce-seed recomputes the seed's figures; --recommend sweeps "
@@ -332,7 +332,8 @@ def _reproduce(args: argparse.Namespace) -> int:
     repeats = args.repeats or 5
     rep = reproduce(num_seeds=repeats, first_seed=args.seed)
     print(
-        f"relayrl sim --reproduce-seed: the configuration of seed 001, 13.3 and 13.7 "
+        "relayrl sim --reproduce-seed: the reference configuration "
+        "(docs/simulation.md#reference-figures) "
         f"({SEED_CONFIG.n_slots} slots, {SEED_CONFIG.batch_size} rollouts/step, train "
         f"{SEED_CONFIG.train_time_s:g} s, sync {SEED_CONFIG.sync_time_s:g} s, "
         f"{SEED_CONFIG.steps} steps), durations from EpisodeModel(), {repeats} runs per figure"

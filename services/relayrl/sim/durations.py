@@ -1,5 +1,6 @@
-"""How long agent episodes take (001 §13.2): the model the simulator and the engine emulator
-share, so that a benchmark can replay exactly the durations a simulation assumed.
+"""How long agent episodes take (docs/simulation.md#episode-durations): the model the
+simulator and the engine emulator share, so that a benchmark can replay exactly the durations
+a simulation assumed.
 
 An episode alternates generation and tool calls for a geometric number of turns (capped): each
 turn decodes a uniform number of tokens at a per-sequence decode rate, then waits for a tool

@@ -1,6 +1,6 @@
-"""A discrete-event simulator of a rollout pipeline (001 §13.3): `n_slots` generation slots,
-one trainer that consumes `batch_size` finished rollouts per step, and a weight sync that
-pauses all generation.
+"""A discrete-event simulator of a rollout pipeline (docs/simulation.md#model): `n_slots`
+generation slots, one trainer that consumes `batch_size` finished rollouts per step, and a
+weight sync that pauses all generation.
 
 Time jumps from event to event (a rollout ends, a train step ends, a sync ends). Each round of
 the outer loop
@@ -87,7 +87,7 @@ def _check_seconds(name: str, value: Any, *, positive: bool) -> None:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """One pipeline design and its costs (001 §13.3)."""
+    """One pipeline design and its costs (docs/simulation.md#designs)."""
 
     n_slots: int = 64
     """Generation slots: rollouts the engines run concurrently."""

@@ -1,6 +1,6 @@
-"""Pictures of simulated pipelines: the timeline of 001 figure 13.1 (one bar per rollout per
-slot, coloured by the version that launched it, train steps and syncs marked) and the sweep of
-figure 13.2 (throughput and staleness against eta). matplotlib's object API on an Agg canvas:
+"""Pictures of simulated pipelines: the timeline of docs/simulation.md#model (one bar per
+rollout per slot, coloured by the version that launched it, train steps and syncs marked) and
+the sweep of throughput and staleness against eta. matplotlib's object API on an Agg canvas:
 no pyplot state, no display needed."""
 
 from __future__ import annotations

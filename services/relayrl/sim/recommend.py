@@ -1,5 +1,5 @@
 """`relayrl sim --recommend`: the smallest staleness bound eta that gets most of the pipeline's
-throughput (001 §13.3's design lesson: most of async's gain comes at eta 1 or 2).
+throughput (docs/simulation.md#reference-figures: most of async's gain comes at eta 1 or 2).
 
 The bound a design is measured against:
 

@@ -1,5 +1,5 @@
-"""`relayrl sim --reproduce-seed`: the figures 001 §13.3 and §13.7 report for its simulator,
-recomputed here side by side.
+"""`relayrl sim --reproduce-seed`: the reference figures for its simulator
+(docs/simulation.md#reference-figures), recomputed here side by side.
 
 The seed's configuration: 64 slots, 64 rollouts per step, train 60 s, sync 10 s, 20 steps,
 durations from the episode model (EpisodeModel() defaults). The seed reports one 20-step run;

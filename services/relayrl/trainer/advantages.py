@@ -1,35 +1,35 @@
-"""Group-relative advantages (GRPO, RLOO) and the DAPO group filter (DESIGN §6 "Advantages",
-003 §7.3).
+"""Group-relative advantages (GRPO, RLOO) and the DAPO group filter
+(docs/algorithms.md#advantages, docs/algorithms.md#dapo-filter).
 
 A group is the set of trajectories rolled out from one prompt. Each member is either valid or
 an infrastructure failure (`is_infra`: the pod died, a verifier could not be reached, ...).
-An infra member's reward says nothing about the policy (001 §13.7, "environment worker
-failures": never record it as reward 0, or the policy learns to avoid whatever crashed the
-container), so it is left out of everything: it is not part of the group's baseline or std,
-it gets no advantage, and it is not trained on.
+An infra member's reward says nothing about the policy (docs/algorithms.md#valid-members:
+never record it as reward 0, or the policy learns to avoid whatever crashed the container),
+so it is left out of everything: it is not part of the group's baseline or std, it gets no
+advantage, and it is not trained on.
 
 DAPO filter and refill credit
 -----------------------------
-A group carries no learning signal when its valid members cannot be compared (003 §7.3,
-`_classify_group`): it has no valid member, exactly one, or all valid rewards are equal (std
-0; e.g. every answer right or every answer wrong). Its advantages would all be 0: training on
-it only dilutes the token denominator, so it is dropped and the prompt feeder is told to
-launch replacements. The seed's refill rule is `refill_credit += 2 * dapo_count +
-failed_count` (003 §7.3, sync DAPO):
+A group carries no learning signal when its valid members cannot be compared
+(docs/algorithms.md#dapo-filter): it has no valid member, exactly one, or all valid rewards
+are equal (std 0; e.g. every answer right or every answer wrong). Its advantages would all be
+0: training on it only dilutes the token denominator, so it is dropped and the prompt feeder
+is told to launch replacements. DAPO's refill rule (docs/algorithms.md#refill-credit) is
+`refill_credit += 2 * dapo_count + failed_count`:
 
 - `filtered` (counted twice): groups with at least one valid member but no signal. Their
   prompt was too easy or too hard for the current policy, so a fresh prompt may well collapse
   too; DAPO over-samples, two new groups per dropped one.
-- `failed` (counted once): groups with *no* valid member. In the seed, "failed" groups are
-  those whose rollout failed outright (`failure_keys` with nothing materialised); in relayrl a
-  rollout failure is written back as an `is_infra` trajectory, so a group whose members are
-  all infra is exactly that case. Its lack of signal says nothing about the prompt's
-  difficulty, so one replacement suffices (and the feeder may reissue the same prompt to keep
-  the task mix, 001 §13.7 option (c)). The seed's `_classify_group` would count such a group,
-  when materialised, as a DAPO collapse (2x); relayrl deliberately counts it as failed (1x).
+- `failed` (counted once): groups with *no* valid member. In DAPO's replay buffer, "failed"
+  groups are those whose rollout failed outright (nothing materialised); in relayrl a rollout
+  failure is written back as an `is_infra` trajectory, so a group whose members are all infra
+  is exactly that case. Its lack of signal says nothing about the prompt's difficulty, so one
+  replacement suffices (and the feeder may reissue the same prompt to keep the task mix). A
+  classifier that looked only at rewards would count such a group, when materialised, as a
+  DAPO collapse (2x); relayrl deliberately counts it as failed (1x).
 
-Zero std is tested as "all valid rewards are equal" (max == min), not `np.std(...) == 0.0` as
-in the seed: the float std of [0.1, 0.1, 0.1] is about 1e-17, not 0.
+Zero std is tested as "all valid rewards are equal" (max == min), not `np.std(...) == 0.0`:
+the float std of [0.1, 0.1, 0.1] is about 1e-17, not 0.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ class GroupAdvantages:
 
 
 def has_signal(group: GroupRewards) -> bool:
-    """At least two valid members and not all of their rewards equal (003 §7.3)."""
+    """At least two valid members and not all of their rewards equal
+    (docs/algorithms.md#dapo-filter)."""
     valid = group.valid_rewards
     return len(valid) >= 2 and max(valid) != min(valid)
 
@@ -161,12 +162,13 @@ class FilterResult:
     @property
     def refill_credit(self) -> int:
         """Groups the prompt feeder should launch to replace the dropped ones:
-        2 · filtered + failed (module docstring; 003 §7.3)."""
+        2 · filtered + failed (module docstring; docs/algorithms.md#refill-credit)."""
         return 2 * len(self.filtered) + len(self.failed)
 
 
 def dapo_filter(groups: Sequence[GroupRewards]) -> FilterResult:
-    """Split groups into those with a learning signal and those without (003 §7.3)."""
+    """Split groups into those with a learning signal and those without
+    (docs/algorithms.md#dapo-filter)."""
     kept, filtered, failed = [], [], []
     for group in groups:
         if not group.valid_rewards:

@@ -18,7 +18,7 @@ from relayrl.tq.model import GroupWithTrajectories
 
 # A member counts towards its group's baseline only with one of these reward statuses;
 # infrastructure failures (and items the scorer could not read) carry no information about the
-# policy and are kept out (001 §13.7, 003 §7.3).
+# policy and are kept out (docs/algorithms.md#valid-members).
 VALID_REWARD_STATUSES = frozenset(
     {common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_POLICY_FAIL}
 )

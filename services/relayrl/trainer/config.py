@@ -116,7 +116,8 @@ class OptimizerSettings(StrictModel):
 
 
 class StalenessSettings(StrictModel):
-    """The replay-buffer gate (003 §7.2): staleness = step - prompt_step + 1."""
+    """The replay-buffer gate (docs/staleness.md#consumption-gate):
+    staleness = step - prompt_step + 1."""
 
     policy: Literal["drop", "wait"] = Field(
         "drop",
@@ -169,7 +170,7 @@ class AlgorithmSettings(StrictModel):
         "recompute",
         description="recompute: pi_old by a forward-only pass on the step's weights; bypass: "
         "use the rollout log-probs as pi_old (then mismatch metrics are not reported: they "
-        "would compare mu with itself, 003 §7.1.1).",
+        "would compare mu with itself, docs/algorithms.md#bypass).",
     )
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature of the rollout; log-probs use it."
@@ -182,8 +183,9 @@ class AlgorithmSettings(StrictModel):
         ge=1,
         le=2,
         description="Prompts issued at once for each group without signal. 1 replaces it; 2 is "
-        "the seed's refill credit, which runs away while half or more of the groups have no "
-        "signal (each filtered group then begets more than one filtered group on average).",
+        "DAPO's refill credit (docs/algorithms.md#refill-credit), which runs away while half "
+        "or more of the groups have no signal (each filtered group then begets more than one "
+        "filtered group on average).",
     )
     advantage: AdvantageSettings = Field(default_factory=AdvantageSettings)
     loss: LossSettings = Field(default_factory=LossSettings)

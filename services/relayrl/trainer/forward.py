@@ -2,14 +2,14 @@
 `get_forward_backward_func()`: log-probs of given tokens (forward only: old/ref policy) and a
 forward-backward pass with a caller-supplied loss (the policy update), plus the optimizer step.
 
-Gradient contract of `forward_backward` (the "global token denominator", 003 §3.2.4): after
-the call the model's main grads are d/dθ of the SUM of the loss contributions that `loss_fn`
-returned, over every micro-batch and every data-parallel rank. megatron would divide by the
-number of micro-batches and DDP would average over data-parallel ranks; the model built by
-`relayrl.trainer.model.build_model` turns both off (`calculate_per_token_loss`, with
-megatron's division by the loss functions' token count skipped in `finalize_model_grads`), so
-a loss_fn that divides by a token count computed over the whole global batch gets the right
-gradient whatever the micro-batch size and data-parallel size.
+Gradient contract of `forward_backward` (the "global token denominator",
+docs/algorithms.md#global-denominator): after the call the model's main grads are d/dθ of the
+SUM of the loss contributions that `loss_fn` returned, over every micro-batch and every
+data-parallel rank. megatron would divide by the number of micro-batches and DDP would average
+over data-parallel ranks; the model built by `relayrl.trainer.model.build_model` turns both off
+(`calculate_per_token_loss`, with megatron's division by the loss functions' token count skipped
+in `finalize_model_grads`), so a loss_fn that divides by a token count computed over the whole
+global batch gets the right gradient whatever the micro-batch size and data-parallel size.
 """
 
 from __future__ import annotations

@@ -216,8 +216,9 @@ class Leader:
         if sample.num_evicted:
             metrics.groups["evicted"] = sample.num_evicted
         metrics.staleness = [step - g.prompt_step + 1 for g in groups]
-        # The simulator's staleness (001 §13.3): versions between the one that launched a
-        # group's oldest token and the one this step trains; 0 is on-policy.
+        # The simulator's staleness, i.e. policy lag (docs/staleness.md#definitions): versions
+        # between the one that launched a group's oldest token and the one this step trains;
+        # 0 is on-policy.
         metrics.policy_lag = [step - min(r.min_policy_version for r in g.rows) for g in groups]
         metrics.launched_lengths = [r.response_len for g in groups for r in g.rows]
         return groups, metrics, sample.waited_s

@@ -1,6 +1,6 @@
 """The policy loss of the trainer: off-policy correction, rejection masks, decoupled PPO,
 reference KL, aggregation under a global denominator, and the train/inference mismatch
-metrics (DESIGN §6; 003 §7.4-7.5, 001 §13.4-13.7). Pure torch, no megatron: every function
+metrics (docs/algorithms.md). Pure torch, no megatron: every function
 takes padded `[B, T]` tensors and a response mask and can be checked by hand on tiny inputs.
 
 Tensors and conventions
@@ -10,21 +10,23 @@ Tensors and conventions
   of every other tensor are never read (they may be garbage, even NaN or ±inf, without
   leaking into losses, gradients or metrics).
 - `logp_BT`: log π_θ of the sampled tokens (the current policy, with gradient);
-  `old_logp_BT`: log π_old, recomputed by the trainer at the start of the update (003 §7.1);
+  `old_logp_BT`: log π_old, recomputed by the trainer at the start of the update
+  (docs/algorithms.md#order-of-a-step);
   `rollout_logp_BT`: log μ, returned by the inference engine (the behaviour policy);
   `ref_logp_BT`: log π_ref of a frozen reference policy.
-- The behaviour log ratio is `log r = old_logp - rollout_logp = log(π_old / μ)`, as in 003
-  §7.4.1 (`log_ratio = old_log_prob - rollout_log_prob`). With samples drawn from μ, the
+- The behaviour log ratio is `log r = old_logp - rollout_logp = log(π_old / μ)`
+  (docs/algorithms.md#importance-weights). With samples drawn from μ, the
   estimators of Schulman, "Approximating KL divergence" (2020), with q = μ, p = π_old are
-  k1 = -log r, k2 = ½ (log r)², k3 = r - 1 - log r; each estimates KL(μ ‖ π_old) (003 §7.4.2).
+  k1 = -log r, k2 = ½ (log r)², k3 = r - 1 - log r; each estimates KL(μ ‖ π_old)
+  (docs/algorithms.md#rejection-masks).
 
-The decoupled objective (001 §13.4, AReaL): the behaviour weight w = π_old/μ corrects *which
-distribution sampled the data* and is a constant (detached); the PPO ratio rho = π_θ/π_old
-bounds *how far this update moves*:
+The decoupled objective (AReaL; docs/algorithms.md#decoupled-ppo): the behaviour weight w =
+π_old/μ corrects *which distribution sampled the data* and is a constant (detached); the PPO
+ratio rho = π_θ/π_old bounds *how far this update moves*:
 
     L = -E_μ[ w · min(rho Â, clip(rho, 1 - ε_low, 1 + ε_high) Â) ].
 
-The global denominator contract (003 §3.2.4)
+The global denominator contract (docs/algorithms.md#global-denominator)
 --------------------------------------------
 A step's batch is split over data-parallel ranks and, on each rank, over micro-batches; the
 gradient is accumulated over all of them. Dividing each micro-batch by its *own* token count
@@ -113,8 +115,9 @@ class ClipSettings(StrictModel):
 
 
 class ISSettings(StrictModel):
-    """Importance weights w = π_old/μ that correct for the behaviour policy (003 §7.4.1,
-    001 §13.4). `none` leaves w = 1 but the raw weights are still measured."""
+    """Importance weights w = π_old/μ that correct for the behaviour policy
+    (docs/algorithms.md#importance-weights). `none` leaves w = 1 but the raw weights are still
+    measured."""
 
     kind: Literal["none", "tis", "icepop"] = Field(
         "none",
@@ -170,10 +173,11 @@ class ISSettings(StrictModel):
 
 
 class RejectionRule(StrictModel):
-    """One rejection test on the behaviour mismatch (003 §7.4.2): a token (or a whole sequence)
-    is kept only if its statistic lies in [low, high]. Statistics, with log r = log π_old -
-    log μ: k1 = -log r, k2 = ½ (log r)², k3 = r - 1 - log r (nats). Example: keep tokens with
-    π_old/μ in [0.5, 2]: `{metric: k1, level: token, low: -0.693, high: 0.693}`."""
+    """One rejection test on the behaviour mismatch (docs/algorithms.md#rejection-masks): a
+    token (or a whole sequence) is kept only if its statistic lies in [low, high]. Statistics,
+    with log r = log π_old - log μ: k1 = -log r, k2 = ½ (log r)², k3 = r - 1 - log r (nats).
+    Example: keep tokens with π_old/μ in [0.5, 2]:
+    `{metric: k1, level: token, low: -0.693, high: 0.693}`."""
 
     metric: KLEstimator = Field(description="The statistic: k1, k2 or k3 (see above).")
     level: Literal["token", "sequence"] = Field(
@@ -209,7 +213,7 @@ class RejectionRule(StrictModel):
 
     @property
     def label(self) -> str:
-        """Short name as in 003 §7.4.2: `token_k1`, `seq_mean_k3`, ..."""
+        """Short name (docs/algorithms.md#rejection-masks): `token_k1`, `seq_mean_k3`, ..."""
         return (
             f"token_{self.metric}" if self.level == "token" else f"seq_{self.reduce}_{self.metric}"
         )
@@ -220,7 +224,7 @@ RejectionSettings = list[RejectionRule]
 
 
 class LossSettings(StrictModel):
-    """The policy loss of one update (DESIGN §6 "Loss")."""
+    """The policy loss of one update (docs/algorithms.md#decoupled-ppo)."""
 
     aggregation: Aggregation = Field(
         "token-mean",
@@ -328,7 +332,8 @@ def _quantile(values: Tensor, q: float) -> float:
 def is_weights(
     old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, settings: ISSettings
 ) -> tuple[Tensor, dict[str, float]]:
-    """Behaviour weights w ≈ π_old/μ per token, detached, 0 outside the mask (003 §7.4.1).
+    """Behaviour weights w ≈ π_old/μ per token, detached, 0 outside the mask
+    (docs/algorithms.md#importance-weights).
 
     Token level: w_t = exp(clamp(log r_t, ±log_ratio_clamp)). Sequence level: every trained
     token of sequence s gets w_s = exp(clamp(Σ_t log r_t, ±log_ratio_clamp)). Then `tis`:
@@ -433,8 +438,9 @@ def rejection_mask(
     mask_BT: Tensor,
     rules: Sequence[RejectionRule],
 ) -> tuple[Tensor, dict[str, float]]:
-    """Which trained tokens survive every rule (003 §7.4.2): a bool [B, T], False outside the
-    mask, so `mask_BT * keep_BT` (or keep_BT itself) is the new response mask.
+    """Which trained tokens survive every rule (docs/algorithms.md#rejection-masks): a bool
+    [B, T], False outside the mask, so `mask_BT * keep_BT` (or keep_BT itself) is the new
+    response mask.
 
     Statistics are computed in float64 from log r = old_logp - rollout_logp: token rules test
     each token; sequence rules reduce a sequence's trained tokens (sum | mean | max) and keep
@@ -477,7 +483,7 @@ def ppo_loss_terms(
     mask_BT: Tensor,
     clip: ClipSettings,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Per-token decoupled PPO loss, 0 outside the mask (001 §13.4):
+    """Per-token decoupled PPO loss, 0 outside the mask (docs/algorithms.md#decoupled-ppo):
 
         rho = exp(clamp(logp - old_logp, ±20)),
         L = -w · min(rho Â, clip(rho, 1 - eps_low, 1 + eps_high) Â),
@@ -629,14 +635,15 @@ def mismatch_metrics(
     mask_BT: Tensor,
     log_ratio_clamp: float = SAFETY_LOG_RATIO,
 ) -> dict[str, float]:
-    """Train/inference mismatch between π_old (trainer) and μ (engine), every step (DESIGN §6,
-    003 §7.5, 001 §13.7). In float64 over trained tokens t and over the sequences s with at
-    least one trained token (n_s of them in s); log r_t = log π_old - log μ; 0.0 if empty.
+    """Train/inference mismatch between π_old (trainer) and μ (engine), every step
+    (docs/algorithms.md#mismatch-metrics). In float64 over trained tokens t and over the
+    sequences s with at least one trained token (n_s of them in s); log r_t = log π_old - log μ;
+    0.0 if empty.
 
     - kl:           mean_t(-log r_t), k1 estimate of KL(μ ‖ π_old); > 0: the engine was more
                     confident in its samples than the trainer;
     - k3_kl:        mean_t(r_t - 1 - log r_t), the k3 estimate of the same KL (≥ 0, lower
-                    variance; 003 recommends watching this one);
+                    variance; the one to watch, docs/algorithms.md#mismatch-metrics);
     - log_ppl_diff: mean_s(-(1/n_s) Σ_t log r_t) = mean_s(log PPL_old(s) - log PPL_μ(s)), with
                     PPL_π(s) = exp(-(1/n_s) Σ_t log π(y_t));
     - ppl_ratio:    mean_s exp(-(1/n_s) Σ_t log r_t) = mean_s PPL_old(s) / PPL_μ(s);
@@ -646,7 +653,8 @@ def mismatch_metrics(
                     same for sequence-level weights (> 10: IS adds noise, prefer rejection);
     - abs_log_ratio_mean, abs_log_ratio_p99, abs_log_ratio_max: mean, 99th percentile (linear
                     interpolation) and max of |log π_old - log μ| over trained tokens
-                    (001 §13.7: a jump means a kernel, precision or version bug, not learning).
+                    (a jump means a kernel, precision or version bug, not learning:
+                    docs/algorithms.md#mismatch-metrics).
     """
     import torch
 

@@ -1,4 +1,5 @@
-"""Trainer modes (003 §2) as strategy objects, chosen from one explicit table.
+"""Trainer modes (docs/staleness.md#trainer-modes) as strategy objects, chosen from one
+explicit table.
 
 The three modes share one pipeline; they differ in how far rollout may run ahead of training
 (eta), how many local updates make one published version (k = parameter_sync_step) and whether

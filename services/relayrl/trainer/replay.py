@@ -1,4 +1,5 @@
-"""Sampling one step's prompt groups from the TransferQueue, with the staleness gate (003 §7.2).
+"""Sampling one step's prompt groups from the TransferQueue, with the staleness gate
+(docs/staleness.md#consumption-gate).
 
 staleness(group, step) = step - prompt_step + 1 (data issued at this step has staleness 1).
 
@@ -7,9 +8,10 @@ staleness(group, step) = step - prompt_step + 1 (data issued at this step has st
 - `wait`: sampling blocks while any in-flight (pending or running) group has staleness >=
   threshold, so that it finishes and is trained on instead of growing staler.
 
-Count-based throttling bounds the mean staleness, not the max (001 §13.3), so the bound is also
-enforced at consumption: a group that became scored between eviction and consumption above the
-threshold is consumed (the TransferQueue records that this step took it) but not trained on.
+Count-based throttling bounds the mean staleness, not the max
+(docs/staleness.md#why-the-gate-is-needed), so the bound is also enforced at consumption: a group
+that became scored between eviction and consumption above the threshold is consumed (the
+TransferQueue records that this step took it) but not trained on.
 
 Consumption is the TransferQueue's `consume(step, n)`, which is idempotent per step: a trainer
 that crashed mid-step and restarts the same step gets the same groups back, topped up.
@@ -28,7 +30,8 @@ from relayrl.tq.model import GroupStatus, GroupWithTrajectories
 from relayrl.tq.queue import TQUnavailableError
 
 # A group is kept, or rejected for one of these reasons; `credit` is how many new prompts the
-# feeder issues for it (003 §7.2.1 refills evictions one for one; §7.3 refills DAPO).
+# feeder issues for it (docs/algorithms.md#refill-credit): one per evicted or failed group,
+# refill_per_filtered per group without signal.
 Verdict = str  # "keep" | "stale" | "no_signal" | "no_valid"
 
 

@@ -55,7 +55,7 @@ class SftExample:
 
 def load_examples(settings: SftSettings, tokenizer, path: Path | None = None) -> list[SftExample]:
     """The examples of `path` (default: `settings.data`), tokenized as rollout renders them."""
-    from relayrl.gateway.agents import prompt_token_ids, turn_end_token_ids
+    from relayrl.conversation.rendering import prompt_token_ids, turn_end_token_ids
     from relayrl.proto.common.v1 import common_pb2
 
     path = path or settings.data

@@ -171,7 +171,7 @@ class PolicyUpdater:
 
         if algorithm.old_logprobs == "recompute":
             old_logp = self._global_logprobs(self._model, batch) * mask
-        else:  # bypass: mu stands in for pi_old (003 §7.1.1)
+        else:  # bypass: mu stands in for pi_old (docs/algorithms.md#bypass)
             old_logp = batch.rollout_logp_BT.clone()
         ref_logp = None
         if self._ref_model is not None:

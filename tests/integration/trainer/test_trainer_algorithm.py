@@ -1,7 +1,7 @@
 """The training step on real megatron-core (CPU, gloo), in spawned rank processes.
 
 - lag 0 (rollout log-probs = the current policy's) with every correction switched on trains
-  exactly like a plain on-policy PPO step written out by hand (001 §13.5);
+  exactly like a plain on-policy PPO step written out by hand (docs/algorithms.md#decoupled-ppo);
 - pi_old is the step's starting policy for all k local updates (separate_async);
 - one step gives the same weights at DP 1, DP 2 and TP 2 (the loss denominator is global).
 """

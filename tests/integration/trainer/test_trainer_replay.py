@@ -8,13 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_tq import claim, put_group, scored_group
 
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
 from relayrl.tq.server import RedisServer
 from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, PromptFileError, load_prompts
 from relayrl.trainer.replay import ReplaySampler, StepTimeout
+from relayrl_testkit.helpers.trainer import claim, put_group, scored_group
 
 
 def keep_all(group) -> str:
@@ -93,7 +93,8 @@ def test_running_groups_are_never_evicted(tq: TransferQueue) -> None:
 def test_dapo_verdicts_and_refill_credit(tq: TransferQueue) -> None:
     from relayrl.trainer.advantages import GroupRewards, dapo_filter
 
-    scored_group(tq, "flat", [1.0, 1.0])  # zero std: no signal -> credit 2 (the seed's rule)
+    # zero std: no signal -> credit 2 (DAPO's rule, docs/algorithms.md#refill-credit)
+    scored_group(tq, "flat", [1.0, 1.0])
     scored_group(tq, "allinfra", [None, None])  # no valid member -> credit 1
     scored_group(tq, "good", [1.0, 0.0])
 

@@ -461,8 +461,9 @@ def test_any_split_gives_the_full_batch_loss_and_gradient(mode: str) -> None:
 
 
 def test_a_per_micro_batch_mean_depends_on_the_split() -> None:
-    """The 003 §3.2.4 bug: each micro-batch divides by its own token count and the results are
-    averaged, so a token in a short micro-batch weighs more than one in a long one."""
+    """The bug of docs/algorithms.md#global-denominator: each micro-batch divides by its own
+    token count and the results are averaged, so a token in a short micro-batch weighs more
+    than one in a long one."""
     logp, old, _, adv, mask = _invariance_batch()
     settings = LossSettings()
     quarters = [(0, 2), (2, 4), (4, 6), (6, 8)]

@@ -51,7 +51,7 @@ class BatchingConfig(StrictModel):
         le=4096,
         description="Most items per backend call formed from separate arrivals; 0 turns "
         "micro-batching off (each submission is split into chunks across the workers, as "
-        "the seed's pipeline does).",
+        "the reference pipeline does: docs/rewards.md#micro-batching).",
     )
     micro_batch_timeout_ms: float = Field(
         200.0,
