@@ -1,7 +1,8 @@
 """Tools an agent loop offers the policy: the `Tool` contract, the built-ins (`calculator`,
 `lookup`) and the `ToolTable` that maps the names a policy calls to tool instances.
 
-Two kinds of failure, told apart on purpose (DESIGN §4, 001 §13.7):
+Two kinds of failure, told apart on purpose (docs/architecture.md#agent-loops and
+#failures-are-statuses):
 - the policy's mistake (an unknown tool, arguments that do not fit the schema, an expression
   the calculator refuses) is answered with an error message the policy reads in its next
   turn: the rollout goes on and is rewarded as usual;

@@ -4,7 +4,7 @@ relayrl's worker extension.
 
 The command execs vLLM itself, so the engine *is* the process a supervisor started: its PID,
 its signals, its exit code. On cpu it applies the settings measured on our CPU machines
-(DESIGN §9: eager mode, in-process executor, ~25 s to ready).
+(docs/platform.md#vllm-on-cpu: eager mode, in-process executor, ~25 s to ready).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Built-ins (an explicit table, plus the operator's loops by dotted path):
 - `tool_agent`: generating -> calling tools -> generating ... -> done. Tool calls are parsed
   from the generated tokens (decoded only to be parsed); tool answers are appended as
   observation tokens rendered by the chat template's tool turn (response_mask 0); the next
-  turn's prompt is the initial prompt + the response so far, token for token (DESIGN §4:
-  engine-returned ids are reused, never re-tokenised, so the trainer sees what was sampled).
+  turn's prompt is the initial prompt + the response so far, token for token
+  (docs/architecture.md#agent-loops: engine-returned ids are reused, never re-tokenised, so
+  the trainer sees what was sampled).
 
 How the trajectory relates to the chat template: `relayrl.conversation.rendering`.
 """

@@ -10,8 +10,9 @@ from relayrl.core.metrics import metric_name
 
 SERVICE = "gateway"
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16, 32)
-# Whole rollouts of agents run from seconds to many minutes (docs/simulation.md#episode-durations); `relayrl sim` reads
-# this histogram to plan capacity, so its buckets resolve the tail as well as the median.
+# Whole rollouts of agents run from seconds to many minutes
+# (docs/simulation.md#episode-durations); `relayrl sim` reads this histogram to plan capacity,
+# so its buckets resolve the tail as well as the median.
 ROLLOUT_BUCKETS_S = (
     0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240, 300, 450, 600,
     900, 1200, 1800, 3600,

@@ -2,10 +2,10 @@
 roll out every missing sample on a sticky engine replica, write each trajectory back as soon
 as it is done (so the reward-service can score it while the rest of the group samples).
 
-Throttle (003 §5, 001 §13.3): with the trainer at step v and B groups per step, the gateway
-keeps launched < (v + 1 + η)·B, counted partition-wide by the TransferQueue itself so several
-gateways cannot overshoot together. η = 0 is synchronous: the next step's rollouts start only
-once the trainer has taken this step's.
+Throttle (docs/staleness.md#rollout-throttle): with the trainer at step v and B groups per step,
+the gateway keeps launched < (v + 1 + η)·B, counted partition-wide by the TransferQueue itself
+so several gateways cannot overshoot together. η = 0 is synchronous: the next step's rollouts
+start only once the trainer has taken this step's.
 
 Failures are never a reward of 0: an engine that dies or times out mid-rollout, or a tool
 that crashes, yields a trajectory put as `failed` (is_infra) with the reason; the trainer keeps

@@ -1,4 +1,5 @@
-"""Optional delta mode: send only the elements that changed since the last sync (003 §6.3.1).
+"""Optional delta mode: send only the elements that changed since the last sync
+(docs/weightsync.md#delta-mode).
 
 Between two RL steps most bf16 weights do not change *bitwise* (an update smaller than half a
 bf16 ulp rounds away), so the sender keeps, per tensor, a host-memory snapshot of what it last

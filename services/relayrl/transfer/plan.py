@@ -12,17 +12,19 @@ the bucket size, so every trainer rank and every engine computes the same plan; 
 :func:`plan_digest` before the first byte moves and refuse to proceed on a mismatch, instead
 of silently loading bytes into the wrong tensor.
 
-Count-based flush (003 §6.3.1). Data-plane collectives (an NCCL/gloo broadcast per bucket) only
-work when every participating rank issues the same sequence of calls. A per-rank *byte*
-trigger ("flush when my local buffer holds 512 MiB") fires at different moments on ranks that
-hold different amounts of data (pipeline stages, uneven expert shards, the last rank's
-remainder), so rank 0 enters broadcast #k while rank 1 is still filling its buffer, and the
-collective hangs forever. Flushing must be driven by a signal that is identical on every rank:
-here, the bucket index of a plan that all ranks computed from the same input. The number of
-buckets (and hence of collective calls) is a property of the agreed plan, never of local state.
+Count-based flush (docs/weightsync.md#count-based-flush). Data-plane collectives (an NCCL/gloo
+broadcast per bucket) only work when every participating rank issues the same sequence of calls.
+A per-rank *byte* trigger ("flush when my local buffer holds 512 MiB") fires at different
+moments on ranks that hold different amounts of data (pipeline stages, uneven expert shards, the
+last rank's remainder), so rank 0 enters broadcast #k while rank 1 is still filling its buffer,
+and the collective hangs forever. Flushing must be driven by a signal that is identical on every
+rank: here, the bucket index of a plan that all ranks computed from the same input. The number
+of buckets (and hence of collective calls) is a property of the agreed plan, never of local
+state.
 
-Double buffering (003 §6.3.2). :class:`DoubleBufferedPacker` fills bucket i+1 in a background
-thread while the caller sends bucket i, at the cost of exactly two bucket-sized buffers.
+Double buffering (docs/weightsync.md#double-buffering). :class:`DoubleBufferedPacker` fills
+bucket i+1 in a background thread while the caller sends bucket i, at the cost of exactly two
+bucket-sized buffers.
 """
 
 from __future__ import annotations

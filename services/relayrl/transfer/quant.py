@@ -1,7 +1,7 @@
 """FP8 (e4m3) quantisation of weights for transport to FP8 inference engines.
 
 Halving the bytes of the linear weights halves the time the data plane spends on them, and an
-engine serving FP8 would quantise them anyway. The price is precision (003 §6.2 sub-problem 3):
+engine serving FP8 would quantise them anyway. The price is precision (docs/weightsync.md#fp8):
 an engine running FP8 weights is a *different* policy from the bf16 one the trainer holds, so
 its logprobs must not be used as the behaviour policy's denominators without correction.
 

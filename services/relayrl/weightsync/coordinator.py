@@ -1,7 +1,7 @@
 """The weight-sync service's logic: transfers, the version switch, commit, late joiners.
 
-A version moves through the five boundaries of docs/recovery.md (and DESIGN's weight-sync
-section), each with its own metric and error:
+A version moves through the five boundaries of docs/weightsync.md#boundaries (what a death at
+each means: docs/recovery.md), each with its own metric and error:
 
     export     trainer ranks export HF-named tensors (bf16, or FP8 + scales) -- sender side
     transport  senders push buckets (checksummed) to this service, which keeps them in host
