@@ -24,7 +24,7 @@ help: ## list the targets with one line each
 
 setup: $(SETUP_STAMP) $(PROTO_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
 
-$(SETUP_STAMP): pyproject.toml deploy/tools/versions.env deploy/tools/install.sh
+$(SETUP_STAMP): pyproject.toml testkit/pyproject.toml deploy/tools/versions.env deploy/tools/install.sh
 	@command -v redis-server >/dev/null || { \
 	  echo "setup: installing Debian redis-server"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
@@ -36,6 +36,8 @@ $(SETUP_STAMP): pyproject.toml deploy/tools/versions.env deploy/tools/install.sh
 	$(PIP) install -q "$(call TORCH_PIN,lock)" $(QUIET_PIP)
 	$(PIP) install -q --no-deps --group lock $(QUIET_PIP)
 	$(PIP) install -q --no-deps --no-build-isolation -e . $(QUIET_PIP)
+	@# the test harness (engine emulator, simulated judge, test helpers): never in an image
+	$(PIP) install -q --no-deps --no-build-isolation -e testkit $(QUIET_PIP)
 	bash deploy/tools/install.sh
 	@touch $@
 
@@ -61,8 +63,8 @@ test-learning: setup ## the full default `relayrl up` run, asserting the held-ou
 	$(BIN)/python -m pytest --run-learning -m learning tests
 
 lint: setup ## ruff check + format check; every proto compiles and v1 changed additively only
-	$(BIN)/ruff check services tests bench deploy
-	$(BIN)/ruff format --check services tests bench deploy
+	$(BIN)/ruff check services testkit tests bench deploy
+	$(BIN)/ruff format --check services testkit tests bench deploy
 	$(BIN)/python -m relayrl.core.protogen check
 
 bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos ## run every benchmark
@@ -70,7 +72,7 @@ bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
 
-bench-reward: setup ## streamed judge rewards: whole batch vs per item vs micro-batched (seed 000 §2.4-2.7)
+bench-reward: setup ## streamed judge rewards: whole batch vs per item vs micro-batched (docs/rewards.md)
 	$(BIN)/python bench/reward_bench.py
 
 bench-reward-load: setup ## rule rewards at a fixed offered load: gRPC ScoreStream vs in-process pipeline

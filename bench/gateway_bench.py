@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -50,28 +49,20 @@ from pathlib import Path
 import redis
 
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.client import GenerateRequest, SamplingOptions, VllmEngineClient
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
+from relayrl.inference.client import GenerateRequest, SamplingOptions, VllmEngineClient
 from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers.signals import raise_on_sigterm
 
 PARTITION = "train"
 PROMPT_LEN = 32
 FIRST_TOKEN, LAST_TOKEN = 10, 500  # plain (non-special) ids of the tiny model's 512 vocabulary
 ROUND_TIMEOUT_S = 120.0
 BREAKDOWN = ("claim", "launch", "rollout", "write", "notice")
-
-
-def _raise_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so every `finally` stops the child processes."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 # --- workload --------------------------------------------------------------------------------
@@ -262,7 +253,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="max tokens per sample")
     parser.add_argument("--runs", type=int, default=5, help="counted rounds per side")
     args = parser.parse_args()
-    _raise_on_sigterm()
+    raise_on_sigterm()
     try:
         bench(args)
     except KeyboardInterrupt:
@@ -273,7 +264,7 @@ def main() -> None:
 def bench(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    from relayrl.gateway.agents import turn_end_token_ids
+    from relayrl.conversation.rendering import turn_end_token_ids
 
     work = make_workload(args.groups, args.samples, args.max_tokens)
     concurrency = args.groups * args.samples

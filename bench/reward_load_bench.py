@@ -276,10 +276,10 @@ def main() -> None:
         print(json.dumps(sample.__dict__))
         return
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from reward_bench import _raise_on_sigterm, reward_service
+    from relayrl.core.service_process import ServiceProcess
+    from relayrl_testkit.helpers.signals import raise_on_sigterm
 
-    _raise_on_sigterm()
+    raise_on_sigterm()
     rates = [args.rate] + ([args.over_rate] if args.over_rate > 0 else [])
     print(
         f"reward-load-bench: naive/gsm8k, ScoreStream from a client process vs RewardPipeline "
@@ -287,7 +287,7 @@ def main() -> None:
         flush=True,
     )
     results: list[Result] = []
-    service = reward_service(config_dict())
+    service = ServiceProcess("relayrl-reward", config_dict())
     started = time.monotonic()
     try:
         service.start()

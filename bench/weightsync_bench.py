@@ -104,9 +104,9 @@ def _grpc_receiver(target: str, inbox: Any, out: Any) -> None:
 
     from relayrl.core import grpc_client  # noqa: F401
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc  # noqa: F401
-    from relayrl.weightsync import quant  # noqa: F401
-    from relayrl.weightsync.receiver import receive_tensors
-    from relayrl.weightsync.transports.measure import PeakRssWindow
+    from relayrl.transfer import quant  # noqa: F401
+    from relayrl.transfer.receiver import receive_tensors
+    from relayrl.transfer.transports.measure import PeakRssWindow
 
     transfer_id, digest = inbox.recv()  # started early: imports are not on the clock
     window = PeakRssWindow()
@@ -182,7 +182,7 @@ def bench_grpc(gib: float, num_senders: int, bucket_bytes: int, work: Path) -> d
 
 
 def bench_raw(kind: str, num_senders: int, total: int, bucket_bytes: int) -> dict[str, Any]:
-    from relayrl.weightsync.transports.measure import measure_transport_gbps
+    from relayrl.transfer.transports.measure import measure_transport_gbps
 
     return _raw_row(measure_transport_gbps(kind, num_senders, 2, total, bucket_bytes))
 
@@ -201,8 +201,8 @@ def bench_mooncake(num_senders: int, total: int, bucket_bytes: int) -> dict[str,
     if shutil.which("unshare") is None:
         return "unshare not available"
     code = (
-        f"import json, sys; sys.path[:0] = {sys.path!r}\n"
-        "from relayrl.weightsync.transports.measure import measure_transport_gbps\n"
+        "import json\n"
+        "from relayrl.transfer.transports.measure import measure_transport_gbps\n"
         f"print(json.dumps(measure_transport_gbps('mooncake', {num_senders}, 2, {total}, "
         f"{bucket_bytes})))\n"
     )
@@ -237,7 +237,7 @@ def tcp_baselines(
 ) -> dict[tuple[int, int, bool], list[dict[str, float]]]:
     """`measure_tcp` of every TCP_BASELINES entry, `repeats` times, interleaved so that drift
     in the machine's other load hits every baseline alike."""
-    from relayrl.weightsync.transports.measure import measure_tcp
+    from relayrl.transfer.transports.measure import measure_tcp
 
     runs: dict[tuple[int, int, bool], list[dict[str, float]]] = {b: [] for b in TCP_BASELINES}
     for _ in range(repeats):

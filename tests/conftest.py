@@ -1,14 +1,21 @@
-"""Fixtures shared by the whole suite: private redis-servers and TransferQueues on them."""
+"""Fixtures shared by the whole suite: private redis-servers and TransferQueues on them, the
+tiny model, and the session's vLLM engine (one for every module that only generates from it)
+beside private engines for tests that kill one, change its weights or need other settings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from relayrl.tq import TransferQueue
 from relayrl.tq.server import RedisServer
+
+if TYPE_CHECKING:
+    from relayrl.engine.process import EngineProcess
+    from relayrl_testkit.helpers.engines import SharedEngine
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,3 +66,54 @@ def tq(redis_server: RedisServer) -> Iterator[TransferQueue]:
         yield queue
     finally:
         queue.close()
+
+
+@pytest.fixture(scope="session")
+def shared_engine(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedEngine]:
+    from relayrl_testkit.helpers.engines import SharedEngine
+
+    shared = SharedEngine(model_dir, tmp_path_factory.mktemp("shared-engine"))
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+def _later_tests_use(request: pytest.FixtureRequest, fixture: str) -> bool:
+    items = request.session.items
+    index = items.index(request.node)
+    return any(fixture in item.fixturenames for item in items[index + 1 :])
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest, shared_engine: SharedEngine) -> Iterator[EngineProcess]:
+    """The session's vLLM engine on the tiny model (max_model_len 1024), leased to one test at a
+    time. Afterwards it is resumed, its own weights are reloaded if the test loaded others, its
+    weight-version label and prefix cache are reset; a test that killed it fails here (the next
+    one gets a fresh engine). Stopped after the last test that uses it."""
+    yield shared_engine.lease()
+    problems = shared_engine.restore()
+    if not _later_tests_use(request, "shared_engine"):
+        shared_engine.stop()
+    if problems:
+        pytest.fail("; ".join(problems))
+
+
+@pytest.fixture
+def private_engine(model_dir: Path, tmp_path: Path) -> Iterator[Callable[..., EngineProcess]]:
+    """Starts engines of the test's own: `private_engine("doomed", max_model_len=512)` (a
+    folder name under tmp_path, then EngineConfig fields); each is stopped by PID after it."""
+    from relayrl_testkit.helpers.engines import start_engine
+
+    started: list[EngineProcess] = []
+
+    def start(name: str = "engine", **settings: Any) -> EngineProcess:
+        engine = start_engine(model_dir, tmp_path / name, **settings)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.stop()

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_smoke import ChartSmoke, render, static_problems
+
+from relayrl_testkit.helpers.chart_smoke import ChartSmoke, render, static_problems
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "relayrl"

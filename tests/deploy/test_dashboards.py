@@ -9,13 +9,14 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-from metric_inventory import (
+
+from relayrl_testkit import REPO
+from relayrl_testkit.helpers.engines import SharedEngine
+from relayrl_testkit.helpers.metric_inventory import (
     ENGINE,
-    REPO,
     Family,
     expression_problems,
     families_from_text,
@@ -68,9 +69,9 @@ def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def families(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Family]:
-    """The four services' families and a real vLLM engine's (started once per session)."""
-    engine_text = scrape_engine_metrics(model_dir, tmp_path_factory.mktemp("engine"))
+def families(shared_engine: SharedEngine, tmp_path_factory: pytest.TempPathFactory) -> list[Family]:
+    """The four services' families and a real vLLM engine's (the session's)."""
+    engine_text = scrape_engine_metrics(shared_engine.lease().url)
     return [
         *service_families(tmp_path_factory.mktemp("inventory")),
         *families_from_text(ENGINE, engine_text),

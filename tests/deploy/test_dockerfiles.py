@@ -663,7 +663,7 @@ MUST_STAY_OUT = [
     ".pytest_cache/v/cache/nodeids", ".ruff_cache/0.17.6/x", ".lock-venv/bin/python",
     "services/relayrl/__pycache__/cli.cpython-311.pyc", "services/relayrl.egg-info/PKG-INFO",
     "services/relayrl/proto/rollout/v1/rollout_pb2.py", "tests/unit/core/test_core_config.py",
-    "helm/relayrl/values.yaml",
+    "helm/relayrl/values.yaml", "testkit/relayrl_testkit/emulator.py", "testkit/pyproject.toml",
 ]  # fmt: skip
 
 
@@ -692,3 +692,26 @@ def test_dockerignore_keeps_local_state_out_and_what_images_copy_in() -> None:
     assert not dockerignore_excludes(["!.venv"], ".venv/bin/python")
     assert not dockerignore_excludes([line for line in lines if line.strip() not in {
         "**", ".venv"}], ".venv/bin/python")  # fmt: skip
+
+
+# The deprecated aliases of the modules that moved to the test-kit (they import it by name and
+# fail in an image, where nothing imports them).
+HARNESS_ALIASES = {
+    "services/relayrl/engine/emulator.py",
+    "services/relayrl/engine/emulator_config.py",
+    "services/relayrl/reward/judge_sim.py",
+    "services/relayrl/reward/judge_launcher.py",
+}
+
+
+def test_no_image_carries_or_imports_the_test_harness() -> None:
+    """The images build the relayrl wheel from services/ alone: the harness (testkit/,
+    relayrl-testkit) is never copied, and no product module or image file imports it."""
+    sources = _context_sources()
+    assert not any(source.startswith("testkit") for source in sources), sources
+    importers = [
+        str(path.relative_to(REPO))
+        for path in [*(REPO / "services").rglob("*.py"), *DOCKER_DIR.rglob("*")]
+        if path.is_file() and "relayrl_testkit" in path.read_text(errors="replace")
+    ]
+    assert set(importers) <= HARNESS_ALIASES, importers

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from prometheus_server import LocalTarget, PrometheusServer, scrape_configs
 
-# the `relayrl up` test helpers
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration" / "up"))
-from up_helpers import SHORT_RUN, UpProcess, deep_update, stack_state, wait_for_steps
+from relayrl_testkit.helpers.prometheus_server import LocalTarget, PrometheusServer, scrape_configs
+from relayrl_testkit.helpers.up import (
+    SHORT_RUN,
+    UpProcess,
+    deep_update,
+    stack_state,
+    wait_for_steps,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "relayrl"

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
-from metric_inventory import (
+
+from relayrl_testkit import REPO
+from relayrl_testkit.helpers.engines import SharedEngine
+from relayrl_testkit.helpers.metric_inventory import (
     ENGINE,
-    REPO,
     SERVICES,
     Family,
     families_from_text,
@@ -41,10 +42,9 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> list[Family]:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Family]:
-    return families_from_text(
-        ENGINE, scrape_engine_metrics(model_dir, tmp_path_factory.mktemp("engine"))
-    )
+def engine_families(shared_engine: SharedEngine) -> list[Family]:
+    """A real vLLM engine's families (the session's engine; scraping changes nothing in it)."""
+    return families_from_text(ENGINE, scrape_engine_metrics(shared_engine.lease().url))
 
 
 def test_every_service_metric_is_documented_and_nothing_else(services: list[Family]) -> None:
@@ -68,8 +68,10 @@ def test_every_per_step_trainer_value_is_documented() -> None:
     assert rows == set(GAUGE_METRICS)
 
 
-def test_documented_vllm_metrics_exist_and_cover_the_dashboards(engine: list[Family]) -> None:
-    exported = {f.query_name: f for f in engine}
+def test_documented_vllm_metrics_exist_and_cover_the_dashboards(
+    engine_families: list[Family],
+) -> None:
+    exported = {f.query_name: f for f in engine_families}
     docs = {n: v for n, v in documented().items() if n.startswith("vllm:")}
     for name, (type_, labels) in docs.items():
         assert name in exported, f"{name} is documented but the engine does not export it"

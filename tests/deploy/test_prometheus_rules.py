@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 import yaml
-from metric_inventory import REPO, Family, expression_problems, service_families
+
+from relayrl_testkit import REPO
+from relayrl_testkit.helpers.metric_inventory import (
+    Family,
+    expression_problems,
+    service_families,
+)
 
 RULES_DIR = REPO / "deploy" / "prometheus" / "rules"
 TESTS_DIR = REPO / "deploy" / "prometheus" / "tests"

@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 from relayrl.sim.sources import PROMETHEUS_METRIC, histogram_from_prometheus
 from relayrl.tq.server import free_port
+from relayrl_testkit.helpers.prometheus_server import PrometheusServer
 
 BIN = Path(sys.executable).parent
-DEPLOY_TESTS = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def relayrl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -224,11 +224,6 @@ def prometheus_with_rollouts(tmp_path_factory: pytest.TempPathFactory) -> Iterat
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("prometheus is missing: run `make setup` (Debian's prometheus package)")
-    sys.path.insert(0, str(DEPLOY_TESTS))
-    try:
-        from prometheus_server import PrometheusServer
-    finally:
-        sys.path.remove(str(DEPLOY_TESTS))
     registry = CollectorRegistry()
     histogram = Histogram(
         PROMETHEUS_METRIC, "whole-rollout durations", buckets=BUCKETS, registry=registry

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relayrl.core.grpc_client import make_channel
 
-HELPER = Path(__file__).parent / "helpers" / "core_shutdown_server.py"
+HELPER = "relayrl_testkit.helpers.shutdown_server"
 SERVICE = "relayrl.coretest.v1.Shutdown"
 WAIT_S = 60.0  # bound on waiting for the helper to react; generous for a shared machine
 
@@ -31,7 +31,7 @@ class ServerProcess:
     def __init__(self, grace_s: float, stderr_path: Path) -> None:
         self._stderr = stderr_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER), str(grace_s)],
+            [sys.executable, "-m", HELPER, str(grace_s)],
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,

@@ -1,4 +1,4 @@
-"""The engine emulator (`python -m relayrl.engine.emulator`, the pipeline benchmark's load
+"""The engine emulator (`python -m relayrl_testkit.emulator`, the pipeline benchmark's load
 generator) as a real process on a loopback port, driven through the gateway's own
 `VllmEngineClient`: episode durations by arrival, tokens, log-probs and version spans, vLLM's
 pause modes, aborts and control endpoints; then a real relayrl-weightsync pushing a version
@@ -7,93 +7,31 @@ into it over gRPC, and a real relayrl-gateway rolling out groups against it."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from relayrl.engine.client import (
+from relayrl.inference.client import (
     EngineRejected,
     GenerateRequest,
     Generation,
     SamplingOptions,
     VllmEngineClient,
 )
-from relayrl.engine.emulator import emitted_tokens
 from relayrl.sim.durations import EpisodeModel
+from relayrl_testkit.emulator import emitted_tokens
+from relayrl_testkit.emulator_launcher import Emulator, start_emulator
 
 PROMPT = (3, 17, 42, 99, 7, 250)
 VOCAB = 512
 STOP = 2
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-@dataclass
-class Emulator:
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-    output: Path
-    seed: int
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.log_path.exists():
-            return []
-        return [json.loads(line) for line in self.log_path.read_text().splitlines()]
-
-    def metric(self, name: str) -> float:
-        text = _NO_PROXY.open(self.url + "/metrics", timeout=10).read().decode()
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise AssertionError(f"{name} not in /metrics:\n{text}")
-
-    def stop(self) -> int:
-        """SIGTERM by PID (SIGKILL after 15 s); the exit code."""
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(15)
-        return self.process.returncode
-
-
-def start_emulator(
-    workdir: Path, *, seed: int, time_scale: float, sync_time_s: float = 10.0
-) -> Emulator:
-    workdir.mkdir(parents=True, exist_ok=True)
-    ready, log, output = workdir / "ready.json", workdir / "requests.jsonl", workdir / "out.log"
-    argv = [
-        sys.executable, "-m", "relayrl.engine.emulator",
-        "--port", "0", "--ready-file", str(ready), "--log", str(log),
-        "--seed", str(seed), "--time-scale", repr(time_scale),
-        "--sync-time-s", repr(sync_time_s), "--vocab-size", str(VOCAB),
-    ]  # fmt: skip
-    with output.open("wb") as sink:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink)
-    deadline = time.monotonic() + 30
-    while not ready.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            process.wait(10)
-            raise AssertionError(f"the emulator did not start:\n{output.read_text()}")
-        time.sleep(0.02)
-    info = json.loads(ready.read_text())
-    assert info["pid"] == process.pid
-    return Emulator(process, info["url"], log, output, seed)
 
 
 @pytest.fixture
@@ -102,7 +40,9 @@ def emulators(tmp_path: Path) -> Iterator[Callable[..., Emulator]]:
     started: list[Emulator] = []
 
     def start(**options: Any) -> Emulator:
-        emulator = start_emulator(tmp_path / f"emulator-{len(started)}", **options)
+        emulator = start_emulator(
+            tmp_path / f"emulator-{len(started)}", vocab_size=VOCAB, **options
+        )
         started.append(emulator)
         return emulator
 
@@ -394,8 +334,8 @@ def test_a_gateway_rolls_out_groups_with_the_emulators_tokens(
 ) -> None:
     from transformers import AutoTokenizer
 
+    from relayrl.conversation.rendering import turn_end_token_ids
     from relayrl.core.service_process import ServiceProcess
-    from relayrl.gateway.agents import turn_end_token_ids
     from relayrl.proto.common.v1 import common_pb2
     from relayrl.tq import TransferQueue
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess, free_port
 from relayrl.inference.client import (
     EngineRejected,
@@ -27,17 +25,6 @@ from relayrl.inference.client import (
 
 PROMPT = (3, 17, 42, 99, 7, 250)
 GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    workdir = tmp_path_factory.mktemp("engine")
-    config = EngineConfig(model=model_dir, max_model_len=512, cache_dir=workdir / "cache")
-    process = EngineProcess(config, workdir).start()
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 def run(engine: EngineProcess, scenario):  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from relayrl.core.grpc_client import make_channel
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.agent_http import (
     AgentError,
@@ -77,17 +76,6 @@ STEP_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    workdir = tmp_path_factory.mktemp("engine")
-    config = EngineConfig(model=model_dir, max_model_len=1024, cache_dir=workdir / "cache")
-    process = EngineProcess(config, workdir).start()
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 class Gateway:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from relayrl.conversation.tools import ToolTable
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.agents import (
     AgentContext,
@@ -44,17 +43,6 @@ STOP_IDS = {0, 2}  # <|endoftext|> (generation_config's eos) and <|im_end|>
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    workdir = tmp_path_factory.mktemp("engine")
-    config = EngineConfig(model=model_dir, max_model_len=1024, cache_dir=workdir / "cache")
-    process = EngineProcess(config, workdir).start()
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 class SteeredClient(VllmEngineClient):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.client import VllmEngineClient
+from relayrl.inference.client import VllmEngineClient
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
@@ -44,7 +44,7 @@ class Emulator:
 
     def start(self) -> Emulator:
         ready = self.workdir / f"ready-{time.monotonic_ns()}.json"
-        argv = [sys.executable, "-m", "relayrl.engine.emulator", "--port", str(self.port),
+        argv = [sys.executable, "-m", "relayrl_testkit.emulator", "--port", str(self.port),
                 "--ready-file", str(ready), "--sync-time-s", "0"]  # fmt: skip
         with (self.workdir / "emulator.log").open("ab") as log:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)

@@ -5,14 +5,13 @@ are a consistent continuation; sessions stick to their replica while it serves."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.replicas import ReplicaPool, ReplicaState
 from relayrl.gateway.rollout import StickySession
@@ -20,20 +19,6 @@ from relayrl.inference.client import Generation, SamplingOptions, VllmEngineClie
 
 PROMPT = (1, 40, 41, 42, 2, 1)
 LONG = SamplingOptions(max_tokens=300, temperature=1.0, seed=3, ignore_eos=True)
-
-
-def start_engine(model_dir: Path, workdir: Path) -> EngineProcess:
-    config = EngineConfig(model=model_dir, max_model_len=512, cache_dir=workdir / "cache")
-    return EngineProcess(config, workdir).start()
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    process = start_engine(model_dir, tmp_path_factory.mktemp("engine"))
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 def transformers_logprobs(model_dir: Path, tokens: tuple[int, ...]) -> list[float]:
@@ -80,9 +65,9 @@ def test_a_pause_across_a_version_change_gives_a_two_version_continuation(
 
 
 def test_sessions_stick_to_their_replica_and_move_only_when_it_dies(
-    engine: EngineProcess, model_dir: Path, tmp_path: Path
+    engine: EngineProcess, private_engine: Callable[..., EngineProcess]
 ) -> None:
-    second = start_engine(model_dir, tmp_path / "second")
+    second = private_engine("second")  # killed below
 
     async def scenario() -> None:
         pool = ReplicaPool(health_interval_s=60)

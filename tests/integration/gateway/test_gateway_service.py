@@ -9,14 +9,13 @@ import asyncio
 import re
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from relayrl.core.grpc_client import make_channel
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -24,20 +23,6 @@ from relayrl.tq import TransferQueue
 from relayrl.tq.server import RedisServer
 
 P = "train"
-
-
-def start_engine(model_dir: Path, workdir: Path) -> EngineProcess:
-    config = EngineConfig(model=model_dir, max_model_len=1024, cache_dir=workdir / "cache")
-    return EngineProcess(config, workdir).start()
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    process = start_engine(model_dir, tmp_path_factory.mktemp("engine"))
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 def gateway_config(redis: RedisServer, model_dir: Path, engine_url: str, **rollout: object) -> dict:
@@ -119,9 +104,12 @@ def test_rollouts_follow_the_throttle_and_write_complete_trajectories(
 
 
 def test_an_engine_killed_mid_rollout_yields_infra_trajectories_not_a_hang(
-    redis_server: RedisServer, model_dir: Path, tmp_path: Path
+    redis_server: RedisServer,
+    model_dir: Path,
+    private_engine: Callable[..., EngineProcess],
+    tmp_path: Path,
 ) -> None:
-    doomed = start_engine(model_dir, tmp_path / "doomed")
+    doomed = private_engine("doomed")  # killed below
     tq = TransferQueue(redis_server.client())
     tq.create_partition(P)
     tq.put_groups(P, [group(f"k{k}", max_tokens=400) for k in range(2)])

@@ -12,7 +12,6 @@ import pytest
 from pydantic import ValidationError
 
 from relayrl.reward.items import InfraError, RewardItem, ScoringError, Status, Verdict
-from relayrl.reward.judge_launcher import JudgeSimProcess, start_judge_sim
 from relayrl.reward.managers.base import ManagerConfigBase, ManagerContext, Outcome
 from relayrl.reward.managers.judge import (
     DisRMConfig,
@@ -21,6 +20,7 @@ from relayrl.reward.managers.judge import (
     VerdictConfig,
     VerdictParser,
 )
+from relayrl_testkit.judge_launcher import JudgeSimProcess, start_judge_sim
 
 FAST = {"step_s": 0.001, "verdict_tokens": 5, "prefill_s": 0.005}
 QUICK_RETRY = {"max_retries": 2, "backoff_initial_s": 0.01, "backoff_max_s": 0.02}

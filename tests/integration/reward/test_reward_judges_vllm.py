@@ -6,30 +6,15 @@ per item for remote, verdicts parsed into statuses."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from reward_helpers import RewardProcess
-
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2
+from relayrl_testkit.helpers.reward import RewardProcess
 
 VERDICT = {"structured_outputs": {"regex": "Verdict: (Correct|Incorrect)"}}
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    workdir = tmp_path_factory.mktemp("judge-engine")
-    config = EngineConfig(model=model_dir, max_model_len=1024, cache_dir=workdir / "cache")
-    process = EngineProcess(config, workdir).start()
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 def test_genrm_and_remote_judge_with_a_real_vllm_server(

@@ -10,11 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
-from reward_helpers import RewardProcess
 
 from relayrl.core.grpc_client import make_channel, tls_credentials
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
+from relayrl_testkit.helpers.reward import RewardProcess
 
 
 def openssl(*args: str, cwd: Path) -> None:

@@ -16,17 +16,21 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from reward_helpers import RewardProcess
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2
+from relayrl_testkit.helpers.reward import RewardProcess
 
 OK, POLICY_FAIL = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_POLICY_FAIL
 INFRA, TIMEOUT = common_pb2.REWARD_STATUS_INFRA_ERROR, common_pb2.REWARD_STATUS_TIMEOUT
 RATE_LIMITED = common_pb2.REWARD_STATUS_RATE_LIMITED
 INVALID = common_pb2.REWARD_STATUS_INVALID_INPUT
 
-BY_ID = {"type": "custom", "path": "reward_test_plugins:by_id", "max_concurrent": 64}
+BY_ID = {
+    "type": "custom",
+    "path": "relayrl_testkit.helpers.reward_plugins:by_id",
+    "max_concurrent": 64,
+}
 
 
 def base_config(**overrides: Any) -> dict[str, Any]:

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from reward_helpers import RewardProcess
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2
-from relayrl.reward.judge_launcher import JudgeSimProcess, start_judge_sim
+from relayrl_testkit.helpers.reward import RewardProcess
+from relayrl_testkit.judge_launcher import JudgeSimProcess, start_judge_sim
 
 OK, POLICY_FAIL = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_POLICY_FAIL
 INFRA = common_pb2.REWARD_STATUS_INFRA_ERROR

@@ -8,11 +8,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from reward_helpers import RewardProcess
-
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TrajectoryPut, TransferQueue
 from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers.reward import RewardProcess
 
 P = "train"
 NUM_GROUPS, NUM_SAMPLES = 30, 2
@@ -23,7 +22,7 @@ def reward_config(redis_url: str, sleep_s: float) -> dict:
         "tq": {"url": redis_url, "partitions": [P]},
         "managers": {
             "rules": {"type": "naive"},
-            "by_id": {"type": "custom", "path": "reward_test_plugins:by_id"},
+            "by_id": {"type": "custom", "path": "relayrl_testkit.helpers.reward_plugins:by_id"},
         },
         "default_manager": "rules",
         "tq_scorer": {

@@ -1,8 +1,8 @@
-"""The TransferQueue under real concurrency and real crashes: worker processes (tq_workers.py)
-claim, score and die (SIGKILL, by PID) against a private redis-server, and the queue keeps its
-promises: no group claimed twice, the launched cap holds across claimers, a dead reader's
-entries are redelivered and processed once in effect, poison entries are dead-lettered, and an
-expired lease hands the rest of a group to a new claimer."""
+"""The TransferQueue under real concurrency and real crashes: worker processes
+(relayrl_testkit.helpers.tq_workers) claim, score and die (SIGKILL, by PID) against a private
+redis-server, and the queue keeps its promises: no group claimed twice, the launched cap holds
+across claimers, a dead reader's entries are redelivered and processed once in effect, poison
+entries are dead-lettered, and an expired lease hands the rest of a group to a new claimer."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from relayrl.tq import (
 from relayrl.tq.server import RedisServer
 
 P = "train"
-WORKERS_SCRIPT = Path(__file__).with_name("tq_workers.py")
+WORKERS = "relayrl_testkit.helpers.tq_workers"
 FINISHED_TRAJECTORIES = {("trajectory", "finished")}
 
 
@@ -80,7 +80,7 @@ def finished_groups_with_one_sample(tq: TransferQueue, num_groups: int) -> list[
 
 
 class Worker:
-    """One tq_workers.py process; its stdout (JSON lines) and stderr go to files."""
+    """One tq_workers process; its stdout (JSON lines) and stderr go to files."""
 
     def __init__(self, name: str, process: subprocess.Popen[bytes], out: Path, err: Path) -> None:
         self.name, self.process, self.out, self.err = name, process, out, err
@@ -138,7 +138,7 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
         out, err = logs / f"{name}.out", logs / f"{name}.err"
         with out.open("wb") as stdout, err.open("wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, str(WORKERS_SCRIPT), role, *map(str, args)],
+                [sys.executable, "-m", WORKERS, role, *map(str, args)],
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,

@@ -6,65 +6,23 @@ checkpoint, and every prompt group is trained at exactly one step of the final h
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import grpc
 import pytest
-from trainer_tq import RolloutEmulator
 
 from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from relayrl.tq import TransferQueue
-from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers.trainer import (
+    RolloutEmulator,
+    steps_logged,
+    trainer_config,
+    wait_exit,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def write_prompts(path: Path, n: int = 12) -> Path:
-    lines = [
-        json.dumps({"prompt": f"{i} + 2 =", "ground_truth": str(i + 2), "data_source": "arith"})
-        for i in range(n)
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def trainer_config(redis: RedisServer, model_dir: Path, tmp_path: Path, **over) -> dict:
-    config = {
-        "tq": {"url": redis.url},
-        "model": {"hf_dir": str(model_dir)},
-        "optim": {"lr": 1e-4},
-        "algorithm": {"train_batch_groups": 2, "micro_batch_size": 4},
-        "data": {
-            "prompts_file": str(write_prompts(tmp_path / "prompts.jsonl")),
-            "samples_per_prompt": 4,
-            "wait_timeout_s": 120,
-            "poll_interval_s": 0.05,
-        },
-        "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval_steps": 1, "keep": 2},
-        "metrics_log": str(tmp_path / "steps.jsonl"),
-        "total_steps": 4,
-    }
-    for section, values in over.items():
-        if isinstance(values, dict):
-            config.setdefault(section, {}).update(values)
-        else:
-            config[section] = values
-    return config
-
-
-def steps_logged(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_exit(trainer: ServiceProcess, timeout_s: float) -> int:
-    assert trainer.process is not None
-    return trainer.process.wait(timeout=timeout_s)
 
 
 def processes_in_group(pgid: int, wait_s: float = 10.0) -> list[int]:

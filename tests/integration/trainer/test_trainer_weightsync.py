@@ -9,15 +9,13 @@ import shutil
 
 import grpc
 import pytest
-from test_trainer_process import steps_logged, trainer_config, wait_exit
-from trainer_tq import RolloutEmulator
 
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.client import VllmEngineClient
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
+from relayrl.inference.client import VllmEngineClient
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+from relayrl_testkit.helpers.trainer import RolloutEmulator, steps_logged, trainer_config, wait_exit
 
 pytestmark = pytest.mark.slow
 
@@ -35,48 +33,41 @@ def engine_state(engine: EngineProcess) -> tuple[str, str]:
 
 
 def test_every_step_is_committed_and_a_resumed_trainer_puts_its_weights_back(
-    redis_server, tq, model_dir, tmp_path
+    redis_server, tq, model_dir, engine, tmp_path
 ) -> None:
-    engine = EngineProcess(
-        EngineConfig(model=model_dir, max_model_len=512, cache_dir=tmp_path / "cache"),
-        tmp_path / "engine",
-    ).start()
-    try:
-        _, initial_digest = engine_state(engine)
-        ws_config = {"bucket_size_bytes": 256 * 1024, "engines": {"urls": [engine.url]}}
-        with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
-            config = trainer_config(
-                redis_server,
-                model_dir,
-                tmp_path,
-                total_steps=3,
-                publish={"type": "weightsync", "target": weightsync.target},
-            )
-            emulator = RolloutEmulator(tq).start()
-            try:
-                trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
-                trainer.start(timeout_s=120)
-                assert wait_exit(trainer, 300) == 0, trainer.log()
-                assert committed(weightsync).committed.version == 3
-                label, digest = engine_state(engine)
-                assert label == "3" and digest != initial_digest
-                # The trainer crashed before its step-3 checkpoint became durable: the engine
-                # holds version 3, whose weights the resumed trainer no longer has.
-                shutil.rmtree(tmp_path / "ckpt" / f"step-{3:08d}")
-                resumed = ServiceProcess("relayrl-trainer", config, tmp_path / "t2")
-                resumed.start(timeout_s=120)
-                assert wait_exit(resumed, 300) == 0, resumed.log()
-            finally:
-                emulator.stop()
-            version = committed(weightsync)
-            assert "republished version 2" in resumed.log()
-            assert weightsync.log().count("version 2 committed") == 2
-        assert version.committed.version == 3
-        assert [(r.version, r.live) for r in version.replicas] == [(3, True)]
-        label, resumed_digest = engine_state(engine)
-        assert label == "3" and resumed_digest != initial_digest
-    finally:
-        engine.stop()
+    _, initial_digest = engine_state(engine)
+    ws_config = {"bucket_size_bytes": 256 * 1024, "engines": {"urls": [engine.url]}}
+    with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
+        config = trainer_config(
+            redis_server,
+            model_dir,
+            tmp_path,
+            total_steps=3,
+            publish={"type": "weightsync", "target": weightsync.target},
+        )
+        emulator = RolloutEmulator(tq).start()
+        try:
+            trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
+            trainer.start(timeout_s=120)
+            assert wait_exit(trainer, 300) == 0, trainer.log()
+            assert committed(weightsync).committed.version == 3
+            label, digest = engine_state(engine)
+            assert label == "3" and digest != initial_digest
+            # The trainer crashed before its step-3 checkpoint became durable: the engine
+            # holds version 3, whose weights the resumed trainer no longer has.
+            shutil.rmtree(tmp_path / "ckpt" / f"step-{3:08d}")
+            resumed = ServiceProcess("relayrl-trainer", config, tmp_path / "t2")
+            resumed.start(timeout_s=120)
+            assert wait_exit(resumed, 300) == 0, resumed.log()
+        finally:
+            emulator.stop()
+        version = committed(weightsync)
+        assert "republished version 2" in resumed.log()
+        assert weightsync.log().count("version 2 committed") == 2
+    assert version.committed.version == 3
+    assert [(r.version, r.live) for r in version.replicas] == [(3, True)]
+    label, resumed_digest = engine_state(engine)
+    assert label == "3" and resumed_digest != initial_digest
 
 
 def committed(weightsync: ServiceProcess) -> pb.GetVersionResponse:
@@ -86,48 +77,40 @@ def committed(weightsync: ServiceProcess) -> pb.GetVersionResponse:
         )
 
 
-def test_tp2_trainer_ranks_send_to_two_replicas(redis_server, tq, model_dir, tmp_path) -> None:
-    engines = [
-        EngineProcess(
-            EngineConfig(model=model_dir, max_model_len=512, cache_dir=tmp_path / f"cache{i}"),
-            tmp_path / f"engine{i}",
-        ).start()
-        for i in range(2)
-    ]
-    try:
-        urls = [e.url for e in engines]
-        ws_config = {"bucket_size_bytes": 128 * 1024, "engines": {"urls": urls}}
-        with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
-            config = trainer_config(
-                redis_server,
-                model_dir,
-                tmp_path,
-                total_steps=1,
-                model={"hf_dir": str(model_dir), "tensor_parallel": 2},
-                publish={"type": "weightsync", "target": weightsync.target},
+def test_tp2_trainer_ranks_send_to_two_replicas(
+    redis_server, tq, model_dir, engine, private_engine, tmp_path
+) -> None:
+    engines = [engine, private_engine("engine1")]
+    urls = [e.url for e in engines]
+    ws_config = {"bucket_size_bytes": 128 * 1024, "engines": {"urls": urls}}
+    with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
+        config = trainer_config(
+            redis_server,
+            model_dir,
+            tmp_path,
+            total_steps=1,
+            model={"hf_dir": str(model_dir), "tensor_parallel": 2},
+            publish={"type": "weightsync", "target": weightsync.target},
+        )
+        emulator = RolloutEmulator(tq).start()
+        try:
+            trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
+            trainer.start(timeout_s=120)
+            assert wait_exit(trainer, 300) == 0, trainer.log()
+        finally:
+            emulator.stop()
+        with grpc.insecure_channel(weightsync.target) as channel:
+            version = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
+                pb.GetVersionRequest(), timeout=10
             )
-            emulator = RolloutEmulator(tq).start()
-            try:
-                trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
-                trainer.start(timeout_s=120)
-                assert wait_exit(trainer, 300) == 0, trainer.log()
-            finally:
-                emulator.stop()
-            with grpc.insecure_channel(weightsync.target) as channel:
-                version = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
-                    pb.GetVersionRequest(), timeout=10
-                )
-            # both ranks pushed their share of the buckets, one stream each
-            assert weightsync.log().count("WeightSync/PushBuckets code=OK") == 2
-        record = steps_logged(tmp_path / "steps.jsonl")[0]
-        assert 0 < record["publish_sent_bytes"] < record["publish_bytes"]  # rank 0's share
-        assert version.committed.version == 1
-        assert sorted((r.replica_id, r.version, r.live) for r in version.replicas) == [
-            ("engine-0", 1, True),
-            ("engine-1", 1, True),
-        ]
-        states = [engine_state(e) for e in engines]
-        assert states[0] == states[1] and states[0][0] == "1"  # same label, same weights
-    finally:
-        for engine in engines:
-            engine.stop()
+        # both ranks pushed their share of the buckets, one stream each
+        assert weightsync.log().count("WeightSync/PushBuckets code=OK") == 2
+    record = steps_logged(tmp_path / "steps.jsonl")[0]
+    assert 0 < record["publish_sent_bytes"] < record["publish_bytes"]  # rank 0's share
+    assert version.committed.version == 1
+    assert sorted((r.replica_id, r.version, r.live) for r in version.replicas) == [
+        ("engine-0", 1, True),
+        ("engine-1", 1, True),
+    ]
+    states = [engine_state(e) for e in engines]
+    assert states[0] == states[1] and states[0][0] == "1"  # same label, same weights

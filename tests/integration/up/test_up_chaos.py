@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from up_helpers import audit_queue, check_exactly_once, processes_of
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.up.audit import audit_run
+from relayrl_testkit.helpers.up import audit_queue, check_exactly_once, processes_of
 
 REPO = Path(__file__).parents[3]
 LAST_LINE = re.compile(

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from up_helpers import UpProcess, processes_of
+
+from relayrl_testkit.helpers.up import UpProcess, processes_of
 
 MIN_GAIN_POINTS = 15.0
 BUDGET_S = 15 * 60

@@ -4,8 +4,6 @@ transfer is loading, not final, for long enough to see each answer."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import grpc
@@ -16,21 +14,13 @@ from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.sender import WeightSyncSender
-
-_EMULATOR_TESTS = Path(__file__).parents[1] / "engine" / "test_engine_emulator.py"
-_spec = importlib.util.spec_from_file_location("emulator_harness", _EMULATOR_TESTS)
-assert _spec is not None and _spec.loader is not None
-emulator_harness = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = emulator_harness  # its dataclasses look their module up
-_spec.loader.exec_module(emulator_harness)
+from relayrl_testkit.emulator_launcher import start_emulator
 
 LOAD_S = 3.0
 
 
 def test_a_held_plan_call_answers_at_the_commit_or_its_bound(model_dir: Path, tmp_path: Path):
-    emulator = emulator_harness.start_emulator(
-        tmp_path / "engine", seed=0, time_scale=1.0, sync_time_s=LOAD_S
-    )
+    emulator = start_emulator(tmp_path / "engine", seed=0, time_scale=1.0, sync_time_s=LOAD_S)
     config = {
         "engines": {"urls": [emulator.url], "load_timeout_s": 60},
         "transfer_timeout_s": 60,

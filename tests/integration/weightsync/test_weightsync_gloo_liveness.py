@@ -3,7 +3,7 @@ not at the transfer's deadline, also where gloo alone would wait for that deadli
 enough to be in flight when the receiver dies, a receiver that relays gloo's broadcast tree,
 and the sender (which hosts the rendezvous store) killed itself.
 
-One runner process (`weightsync_transport_roles.py`) plays every scenario, as in
+One runner process (`python -m relayrl_testkit.helpers.transport_roles`) plays every scenario, as in
 `test_weightsync_transports.py`.
 """
 
@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROLES = Path(__file__).with_name("weightsync_transport_roles.py")
+ROLES = "relayrl_testkit.helpers.transport_roles"
 MIB = 1024 * 1024
 TIMEOUT_S = 60.0  # the deadline nobody should wait for
 FAST_S = 10.0  # "at once", with room for a loaded 2-core machine
@@ -77,7 +76,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stderr_path = tmp_path_factory.mktemp("gloo_liveness") / "roles.stderr"
     with stderr_path.open("w") as stderr:
         done = subprocess.run(
-            [sys.executable, str(ROLES), json.dumps(scenarios)],
+            [sys.executable, "-m", ROLES, json.dumps(scenarios)],
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,

@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -25,33 +25,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.client import GenerateRequest, SamplingOptions, VllmEngineClient
-from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
+from relayrl.inference.client import GenerateRequest, SamplingOptions, VllmEngineClient
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.sender import PublishError, WeightSyncSender, export_tensors
+from relayrl_testkit.helpers.mooncake import mooncake_unavailable
 
 pytestmark = pytest.mark.slow
 
 PROMPT = (3, 17, 42, 99, 7, 250)
 GREEDY = SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)
 BUCKET = 96 * 1024
-
-
-def start_engine(model_dir: Path, workdir: Path) -> EngineProcess:
-    config = EngineConfig(model=model_dir, max_model_len=512, cache_dir=workdir / "cache")
-    return EngineProcess(config, workdir).start()
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    process = start_engine(model_dir, tmp_path_factory.mktemp("engine"))
-    try:
-        yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture
@@ -157,7 +143,7 @@ def test_a_version_reaches_the_engine_bit_for_bit_and_generates_like_transformer
 def test_fp8_is_within_the_e4m3_bound_and_generates_close_to_bf16(
     engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path
 ) -> None:
-    from relayrl.weightsync.quant import dequantize_fp8, quantize_fp8
+    from relayrl.transfer.quant import dequantize_fp8, quantize_fp8
 
     weights = perturbed(model_dir, 0.5, seed=2)
     for mode in ("per_tensor", "block_128"):
@@ -221,14 +207,17 @@ def test_a_corrupted_bucket_and_a_disagreeing_sender_fail_fast(
 
 
 def test_a_late_joiner_pulls_the_committed_version(
-    engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path, tmp_path: Path
+    engine: EngineProcess,
+    weightsync: ServiceProcess,
+    model_dir: Path,
+    private_engine: Callable[..., EngineProcess],
 ) -> None:
     weights = perturbed(model_dir, 0.3, seed=4)
     sender = WeightSyncSender(weightsync.target, timeout_s=120)
     version = version_of(weightsync).committed.version + 1
     sender.wait_committed(sender.publish(version, 0, weights.items()).transfer_id, 180)
     expected = generate(engine)
-    late = start_engine(model_dir, tmp_path / "late")
+    late = private_engine("late", max_model_len=512)
     try:
         with grpc.insecure_channel(weightsync.target) as channel:
             reply = weightsync_pb2_grpc.WeightSyncStub(channel).RegisterEngine(
@@ -259,9 +248,12 @@ def test_publishing_to_an_unreachable_service_is_a_clear_error(model_dir: Path) 
 
 
 def test_a_dead_replica_is_dropped_and_the_others_commit(
-    engine: EngineProcess, model_dir: Path, tmp_path: Path
+    engine: EngineProcess,
+    model_dir: Path,
+    private_engine: Callable[..., EngineProcess],
+    tmp_path: Path,
 ) -> None:
-    doomed = start_engine(model_dir, tmp_path / "doomed")
+    doomed = private_engine("doomed", max_model_len=512)  # killed below
     config = {
         "bucket_size_bytes": BUCKET,
         "engines": {"urls": [engine.url, doomed.url], "load_timeout_s": 30, "attempts": 2},
@@ -317,15 +309,18 @@ def test_the_torch_distributed_data_plane_loads_the_engine_bit_for_bit(
 
 
 def test_a_replica_killed_mid_broadcast_is_dropped_and_the_other_loads_the_whole_version(
-    engine: EngineProcess, model_dir: Path, tmp_path: Path
+    engine: EngineProcess,
+    model_dir: Path,
+    private_engine: Callable[..., EngineProcess],
+    tmp_path: Path,
 ) -> None:
-    from relayrl.weightsync.receiver import FAULT_EXIT_AFTER_BUCKET
+    from relayrl.transfer.receiver import FAULT_EXIT_AFTER_BUCKET
 
-    doomed = EngineProcess(
-        EngineConfig(model=model_dir, max_model_len=512, cache_dir=tmp_path / "cache"),
-        tmp_path / "doomed",
+    doomed = private_engine(
+        "doomed",
+        max_model_len=512,
         env={FAULT_EXIT_AFTER_BUCKET: "3"},  # its worker dies after the 4th bucket
-    ).start()
+    )
     try:
         config = data_plane_config([engine.url, doomed.url], "torch_distributed")
         with ServiceProcess("relayrl-weightsync", config, tmp_path / "ws") as service:
@@ -355,15 +350,13 @@ def test_the_mooncake_data_plane_loads_the_engine_bit_for_bit(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """In a private network namespace: Mooncake listens on every interface."""
-    from test_weightsync_transports import mooncake_unavailable
-
     if reason := mooncake_unavailable():
         pytest.skip(reason)
-    runner = Path(__file__).with_name("weightsync_mooncake_engine.py")
     stderr_path = tmp_path / "runner.stderr"
     with stderr_path.open("w") as stderr:
         done = subprocess.run(
-            ["unshare", "-n", "--", sys.executable, str(runner), str(model_dir), str(tmp_path)],
+            ["unshare", "-n", "--", sys.executable, "-m", "relayrl_testkit.helpers.mooncake_engine",
+             str(model_dir), str(tmp_path)],
             stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=600, check=False,
         )  # fmt: skip
     assert done.returncode == 0, stderr_path.read_text()[-4000:]

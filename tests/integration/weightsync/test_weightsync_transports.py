@@ -1,34 +1,32 @@
 """The weight-sync data-plane transports, with every sender and receiver a real process.
 
 For each transport (torch_distributed over gloo, Mooncake over TCP) one runner process
-(`weightsync_transport_roles.py`) plays every scenario below and reports what each role saw;
-the tests read that report. Mooncake listens on every interface, so its runner runs in a private
-network namespace (`unshare -n`, root here). The NCCL path of torch_distributed needs GPUs and
-is not exercised here.
+(`python -m relayrl_testkit.helpers.transport_roles`) plays every scenario below and reports
+what each role saw; the tests read that report. Mooncake listens on every interface, so its
+runner runs in a private network namespace (`unshare -n`, root here). The NCCL path of
+torch_distributed needs GPUs and is not exercised here.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from relayrl.weightsync.transports.base import (
+from relayrl.transfer.transports.base import (
     TRANSPORTS,
     TransportError,
     TransportSpec,
     check_bucket,
     open_sink,
 )
+from relayrl_testkit.helpers.mooncake import mooncake_unavailable
 
-ROLES = Path(__file__).with_name("weightsync_transport_roles.py")
+ROLES = "relayrl_testkit.helpers.transport_roles"
 KIB = 1024
 TIMEOUT_S = 20.0  # deadline of every wait in the scenarios that must fail fast
 KILLED_TIMEOUT_S = 60.0  # a weight-sync service waits minutes; a death must not cost that
@@ -96,21 +94,6 @@ SCENARIOS: list[dict[str, Any]] = [
 ]
 
 
-def mooncake_unavailable() -> str | None:
-    """Why the Mooncake tests cannot run here (no root for a private network namespace), or
-    None. A missing Mooncake package is not a reason: `make setup` installs it."""
-    assert importlib.util.find_spec("mooncake") is not None, (
-        "Mooncake is not installed: run `make setup` (it pins mooncake-transfer-engine-non-cuda "
-        "and installs the Debian packages libibverbs1 librdmacm1)"
-    )
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "the Mooncake tests need `unshare` and `ip` for a private network namespace"
-    probe = subprocess.run(["unshare", "-n", "--", "true"], capture_output=True, check=False)
-    if probe.returncode != 0:
-        return f"cannot make a private network namespace (unshare -n needs root): {probe.stderr!r}"
-    return None
-
-
 @pytest.fixture(scope="module", params=["torch_distributed", "mooncake"])
 def report(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -118,11 +101,11 @@ def report(
     """Every scenario of one transport, played once by one runner process."""
     transport: str = request.param
     scenarios = [scenario | {"type": transport} for scenario in SCENARIOS]
-    command = [sys.executable, str(ROLES), json.dumps(scenarios)]
+    command = [sys.executable, "-m", ROLES, json.dumps(scenarios)]
     if transport == "mooncake":
         if reason := mooncake_unavailable():
             pytest.skip(reason)
-        command = ["unshare", "-n", "--", sys.executable, str(ROLES), "--netns", command[-1]]
+        command = ["unshare", "-n", "--", sys.executable, "-m", ROLES, "--netns", command[-1]]
     stderr_path = tmp_path_factory.mktemp(transport) / "roles.stderr"
     with stderr_path.open("w") as stderr:
         done = subprocess.run(

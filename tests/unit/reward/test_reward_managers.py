@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -21,7 +19,8 @@ from relayrl.reward.managers.table import build_managers
 from relayrl.reward.metrics import RewardMetrics
 from relayrl.reward.tenants import QuotaExceeded, Tenants
 
-sys.path.insert(0, str(Path(__file__).parent / "plugins"))
+# A user's plug-ins, installed as a package and named by dotted path.
+EXAMPLE = "relayrl_testkit.helpers.reward_plugin_example"
 
 
 class Fixed(RewardManager):
@@ -53,7 +52,7 @@ def build(managers: dict, extra: dict[str, RewardManager] | None = None) -> dict
 def test_dapo_penalises_only_the_overlong_tail_linearly() -> None:
     managers = build(
         {
-            "base": {"type": "custom", "path": "reward_plugin_example:length_score"},
+            "base": {"type": "custom", "path": f"{EXAMPLE}:length_score"},
             "dapo": {
                 "type": "dapo",
                 "inner": "base",
@@ -95,7 +94,7 @@ def test_dapo_config_checks_the_buffer_fits() -> None:
 def test_rate_limited_refuses_beyond_its_budget_with_a_retry_hint() -> None:
     managers = build(
         {
-            "base": {"type": "custom", "path": "reward_plugin_example:length_score"},
+            "base": {"type": "custom", "path": f"{EXAMPLE}:length_score"},
             "limited": {
                 "type": "rate_limited",
                 "inner": "base",
@@ -115,7 +114,7 @@ def test_rate_limited_refuses_beyond_its_budget_with_a_retry_hint() -> None:
 def test_rate_limited_waits_when_the_budget_refills_in_time() -> None:
     managers = build(
         {
-            "base": {"type": "custom", "path": "reward_plugin_example:length_score"},
+            "base": {"type": "custom", "path": f"{EXAMPLE}:length_score"},
             "limited": {
                 "type": "rate_limited",
                 "inner": "base",
@@ -214,12 +213,12 @@ def test_custom_managers_and_functions_load_by_dotted_path() -> None:
         {
             "kw": {
                 "type": "custom",
-                "path": "reward_plugin_example:KeywordManager",
+                "path": f"{EXAMPLE}:KeywordManager",
                 "options": {"keyword": "ok"},
             },
-            "fn": {"type": "custom", "path": "reward_plugin_example:length_score"},
-            "afn": {"type": "custom", "path": "reward_plugin_example:async_verdict"},
-            "bad": {"type": "custom", "path": "reward_plugin_example:returns_garbage"},
+            "fn": {"type": "custom", "path": f"{EXAMPLE}:length_score"},
+            "afn": {"type": "custom", "path": f"{EXAMPLE}:async_verdict"},
+            "bad": {"type": "custom", "path": f"{EXAMPLE}:returns_garbage"},
         }
     )
     item = RewardItem("i", response="ok ok", ground_truth="ok ok")
@@ -234,8 +233,8 @@ def test_custom_managers_and_functions_load_by_dotted_path() -> None:
     ("path", "message"),
     [
         ("no_such_module_xyz:f", "cannot import module"),
-        ("reward_plugin_example:missing", "has no attribute"),
-        ("reward_plugin_example:NOT_CALLABLE", "neither a RewardManager subclass nor a function"),
+        (f"{EXAMPLE}:missing", "has no attribute"),
+        (f"{EXAMPLE}:NOT_CALLABLE", "neither a RewardManager subclass nor a function"),
         ("collections:OrderedDict", "not a relayrl RewardManager subclass"),
     ],
 )

@@ -1,9 +1,9 @@
-"""relayrl-reward as a real process for tests (a ServiceProcess with a gRPC stub), with this
-folder on PYTHONPATH so the service can import the test plug-ins by dotted path."""
+"""relayrl-reward as a real process for tests (a ServiceProcess with a gRPC stub). The test
+plug-ins it loads by dotted path live in `relayrl_testkit.helpers.reward_plugins`, which the
+service imports as it would a team's installed scorer."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +13,10 @@ from relayrl.core.grpc_client import make_channel
 from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.reward.v1 import reward_pb2_grpc
 
-PLUGINS = Path(__file__).parent
-
 
 class RewardProcess(ServiceProcess):
     def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None):
-        pythonpath = os.pathsep.join([str(PLUGINS), os.environ.get("PYTHONPATH", "")])
-        super().__init__(
-            "relayrl-reward", config, workdir, env={"PYTHONPATH": pythonpath, **(env or {})}
-        )
+        super().__init__("relayrl-reward", config, workdir, env=env)
 
     def stub(
         self, token: str | None = None

@@ -1,6 +1,6 @@
 """A service built with the core bootstrap, run as a real process by test_core_shutdown.py.
 
-    python core_shutdown_server.py GRACE_S
+    python -m relayrl_testkit.helpers.shutdown_server GRACE_S
 
 Prints `port <n>` once serving, `slow call started` when a Hold call arrives, and
 `shutdown hook ran` from its shutdown hook; logs go to stderr. Hold blocks until the file

@@ -1,7 +1,7 @@
 """Runs weight-sync transport scenarios with every sender and receiver in its own process, and
 prints what each of them saw as one JSON object (the last line of stdout).
 
-    python weightsync_transport_roles.py [--netns] SCENARIOS_JSON
+    python -m relayrl_testkit.helpers.transport_roles [--netns] SCENARIOS_JSON
 
 SCENARIOS_JSON is a list of scenarios: {"name", "type", "num_senders", "num_receivers",
 "bucket_sizes", "timeout_s", "seed", optional "absent": [receiver ranks never started],
@@ -43,7 +43,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch
 
-from relayrl.weightsync.transports.base import (
+from relayrl.transfer.transports.base import (
     TransportError,
     TransportSpec,
     open_sink,
@@ -82,7 +82,7 @@ def engine_resources(spec: TransportSpec, scenario: dict[str, Any]) -> dict[str,
     """With several transfers, a mooncake role keeps one engine for all of them."""
     if spec.type != "mooncake" or len(scenario["ports"]) == 1:
         return {}
-    from relayrl.weightsync.transports.mooncake import MooncakeEngine
+    from relayrl.transfer.transports.mooncake import MooncakeEngine
 
     return {"engine": MooncakeEngine("127.0.0.1")}
 

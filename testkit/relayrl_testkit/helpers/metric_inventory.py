@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relayrl.tq import TransferQueue
 
-REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "reward", "trainer", "weightsync")
 ENGINE = "engine"
 # Series Prometheus itself makes: scrape health and the state of alerts.
@@ -165,35 +164,19 @@ def families_from_text(component: str, text: str) -> list[Family]:
     return out
 
 
-_ENGINE_SCRAPES: dict[Path, str] = {}
-
-
-def scrape_engine_metrics(model_dir: Path, workdir: Path) -> str:
-    """The /metrics text of a real vLLM engine serving `model_dir`, after one completion (so
-    request histograms hold data). Started once per test session and stopped by PID right
-    after the scrape; later calls return the cached text."""
-    if model_dir in _ENGINE_SCRAPES:
-        return _ENGINE_SCRAPES[model_dir]
-    from relayrl.engine.config import EngineConfig
-    from relayrl.engine.process import EngineProcess
-
-    config = EngineConfig(model=model_dir, max_model_len=256, cache_dir=workdir / "cache")
-    engine = EngineProcess(config, workdir).start()
-    try:
-        body = b'{"model": "policy", "prompt": [1, 5, 6, 7], "max_tokens": 4}'
-        request = urllib.request.Request(
-            f"{engine.url}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            response.read()
-        with urllib.request.urlopen(f"{engine.url}/metrics", timeout=30) as response:
-            text = response.read().decode()
-    finally:
-        engine.stop()
-    _ENGINE_SCRAPES[model_dir] = text
-    return text
+def scrape_engine_metrics(engine_url: str) -> str:
+    """The /metrics text of a real vLLM engine (the test session's), after one completion of
+    its own (so request histograms hold data)."""
+    body = b'{"model": "policy", "prompt": [1, 5, 6, 7], "max_tokens": 4}'
+    request = urllib.request.Request(
+        f"{engine_url}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.read()
+    with urllib.request.urlopen(f"{engine_url}/metrics", timeout=30) as response:
+        return response.read().decode()
 
 
 def exported_series(families: Iterable[Family]) -> dict[str, set[str]]:

@@ -1,13 +1,18 @@
-"""Pushing prompt groups through a real TransferQueue to `scored`, as the gateway and the
-reward-service would, so that trainer tests start from the state the trainer consumes."""
+"""For trainer tests: pushing prompt groups through a real TransferQueue to `scored`, as the
+gateway and the reward-service would, so that the tests start from the state the trainer
+consumes; and relayrl-trainer's config, step log and exit for a trainer run as a process."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
+from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import TrajectoryPut
+from relayrl.tq.server import RedisServer
 
 PROMPT = [1, 5, 6, 7]
 
@@ -148,3 +153,47 @@ class RolloutEmulator:
         if scores:
             self._tq.score_trajectories(self._partition, scores)
         self.num_groups += 1
+
+
+def write_prompts(path: Path, n: int = 12) -> Path:
+    lines = [
+        json.dumps({"prompt": f"{i} + 2 =", "ground_truth": str(i + 2), "data_source": "arith"})
+        for i in range(n)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def trainer_config(redis: RedisServer, model_dir: Path, tmp_path: Path, **over) -> dict:
+    config = {
+        "tq": {"url": redis.url},
+        "model": {"hf_dir": str(model_dir)},
+        "optim": {"lr": 1e-4},
+        "algorithm": {"train_batch_groups": 2, "micro_batch_size": 4},
+        "data": {
+            "prompts_file": str(write_prompts(tmp_path / "prompts.jsonl")),
+            "samples_per_prompt": 4,
+            "wait_timeout_s": 120,
+            "poll_interval_s": 0.05,
+        },
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval_steps": 1, "keep": 2},
+        "metrics_log": str(tmp_path / "steps.jsonl"),
+        "total_steps": 4,
+    }
+    for section, values in over.items():
+        if isinstance(values, dict):
+            config.setdefault(section, {}).update(values)
+        else:
+            config[section] = values
+    return config
+
+
+def steps_logged(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_exit(trainer: ServiceProcess, timeout_s: float) -> int:
+    assert trainer.process is not None
+    return trainer.process.wait(timeout=timeout_s)

@@ -2,7 +2,7 @@
 service, a sender in this process), inside the private network namespace that `unshare -n`
 started us in (Mooncake listens on every interface):
 
-    unshare -n -- python weightsync_mooncake_engine.py MODEL_DIR WORKDIR
+    unshare -n -- python -m relayrl_testkit.helpers.mooncake_engine MODEL_DIR WORKDIR
 
 Publishes two versions (the second reuses the Mooncake engines both sides keep) and prints one
 JSON line: the replicas' versions and live flags, the plan's transport, whether the engine's
@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relayrl.core.service_process import ServiceProcess
-from relayrl.engine.client import VllmEngineClient
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
+from relayrl.inference.client import VllmEngineClient
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.sender import WeightSyncSender, export_tensors

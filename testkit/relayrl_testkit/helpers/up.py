@@ -24,6 +24,7 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
 from relayrl.tq.server import RedisServer
+from relayrl_testkit import REPO
 
 NAMESPACE, PARTITION = "relayrl", "train"
 
@@ -148,9 +149,6 @@ class UpProcess:
                 kill_group(pid)
         except AssertionError:
             pass
-
-
-REPO = Path(__file__).parents[3]
 
 
 def repository_copy(destination: Path) -> Path:

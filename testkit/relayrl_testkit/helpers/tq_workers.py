@@ -2,7 +2,7 @@
 queue, started by a test with subprocess.Popen, watched through its stdout (one JSON object per
 line, flushed at once) and stopped or crashed by PID.
 
-    python tests/integration/tq/tq_workers.py <role> --port PORT [options of the role]
+    python -m relayrl_testkit.helpers.tq_workers <role> --port PORT [options of the role]
 
 Roles:
     claim-loop            claims small random batches until nothing (more) can be claimed

@@ -1,0 +1,139 @@
+"""Real vLLM engines (`python -m relayrl.engine`) for tests, on the tiny model.
+
+Starting one costs about 35 s of this machine's two cores, so a test session shares one
+(`SharedEngine`): tests lease it in turn, and after each test it is put back as it was found
+-- resumed, its own weights reloaded if a test loaded others (checked by digest), its
+weight-version label and prefix cache reset, idle. A test that killed it fails, and the next
+test gets a fresh one. Tests that kill an engine or need other engine settings start a private
+one (`start_engine`). What a restore cannot undo: the worker extension's record of which
+transfer it holds (`relayrl_ping`) names the reloaded file, not the initial weights."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from relayrl.engine.config import EngineConfig
+from relayrl.engine.process import EngineProcess
+from relayrl.inference.client import VllmEngineClient
+
+# What the test engines share unless a test asks for other settings: long enough for every
+# prompt + response the tests send (the longest, 400 tokens after a short prompt).
+TEST_ENGINE_SETTINGS: dict[str, Any] = {"max_model_len": 1024}
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def start_engine(
+    model_dir: Path, workdir: Path, *, env: dict[str, str] | None = None, **settings: Any
+) -> EngineProcess:
+    """A private engine serving `model_dir` on a free loopback port, ready; its log, config and
+    vLLM cache in `workdir`. `env`: variables added to its environment; `settings`:
+    EngineConfig fields over TEST_ENGINE_SETTINGS."""
+    settings = {"cache_dir": workdir / "cache", **TEST_ENGINE_SETTINGS, **settings}
+    config = EngineConfig(model=model_dir, **settings)
+    return EngineProcess(config, workdir, env=env).start()
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What a test can change in an engine and a later test would see."""
+
+    weight_version: str
+    digest: str
+    paused: bool
+
+
+async def _read_state(client: VllmEngineClient) -> EngineState:
+    (info,) = await client.worker_rpc("relayrl_weight_info", {})
+    return EngineState(await client.weight_version(), info["digest"], await client.is_paused())
+
+
+def _call(engine: EngineProcess, scenario: Any) -> Any:
+    async def main() -> Any:
+        client = VllmEngineClient(engine.url, control_timeout_s=120)
+        try:
+            return await scenario(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def _busy(engine: EngineProcess) -> float:
+    """Requests running or waiting in the engine, from its /metrics."""
+    text = _NO_PROXY.open(engine.url + "/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(_BUSY_GAUGES):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class SharedEngine:
+    """One engine for a whole test session, started on the first lease."""
+
+    def __init__(self, model_dir: Path, workdir: Path) -> None:
+        self._model_dir = model_dir
+        self._workdir = workdir
+        self._engine: EngineProcess | None = None
+        self._initial: EngineState | None = None
+        self.num_starts = 0
+
+    def lease(self) -> EngineProcess:
+        if self._engine is None:
+            self._start()
+        assert self._engine is not None
+        return self._engine
+
+    def _start(self) -> None:
+        self.num_starts += 1
+        workdir = self._workdir / f"engine-{self.num_starts}"
+        self._engine = start_engine(self._model_dir, workdir, cache_dir=self._workdir / "cache")
+        self._initial = _call(self._engine, _read_state)
+
+    def restore(self, idle_timeout_s: float = 120.0) -> list[str]:
+        """Puts the engine back as it was first found; returns what the lessee left that
+        cannot be put back (the engine is then replaced for the next lessee)."""
+        engine, initial = self._engine, self._initial
+        if engine is None or initial is None:
+            return []
+        if not (engine.alive() and _call(engine, lambda client: client.health())):
+            self.stop()  # the next lease starts a fresh one
+            return ["the shared engine was killed or stopped answering: use a private engine"]
+
+        weights = self._model_dir / "model.safetensors"
+
+        async def put_back(client: VllmEngineClient) -> EngineState:
+            if await client.is_paused():
+                await client.resume()
+            (info,) = await client.worker_rpc("relayrl_weight_info", {})
+            if info["digest"] != initial.digest:  # a test loaded other weights
+                await client.worker_rpc("relayrl_load_tensors", {"path": str(weights)})
+            if await client.weight_version() != initial.weight_version:
+                await client.set_weight_version(initial.weight_version)
+            return await _read_state(client)
+
+        now = _call(engine, put_back)
+        problems = []
+        if now.digest != initial.digest:
+            problems.append(
+                f"reloading {weights} did not give the shared engine its initial weights back"
+            )
+        deadline = time.monotonic() + idle_timeout_s
+        while _busy(engine) > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)  # requests of a gateway a test killed run to their end
+        if problems or _busy(engine) > 0:
+            self.stop()  # the next lease starts a fresh one
+        else:
+            _call(engine, lambda client: client.reset_prefix_cache())
+        return problems
+
+    def stop(self) -> None:
+        if self._engine is not None:
+            self._engine.stop()
+            self._engine = None
