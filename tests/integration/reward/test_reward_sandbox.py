@@ -7,6 +7,7 @@ checked alone, with the audit guard off, wherever this machine provides them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -79,8 +80,27 @@ def layers(**overrides: object) -> tuple[str, ...]:
     return found
 
 
+# Processes this test process already had when a test began (the session's shared vLLM engine
+# and its workers): they are not sandboxes, and neither is anything they start.
+_before_test: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _only_new_children() -> None:
+    _before_test.clear()
+    _before_test.update(child.pid for child in psutil.Process().children())
+
+
 def children() -> set[int]:
-    return {child.pid for child in psutil.Process().children(recursive=True)}
+    """Pids of the processes this test started (sandboxes) and everything under them."""
+    found: set[int] = set()
+    for child in psutil.Process().children():
+        if child.pid in _before_test:
+            continue
+        found.add(child.pid)
+        with contextlib.suppress(psutil.NoSuchProcess):  # it ended meanwhile
+            found.update(grandchild.pid for grandchild in child.children(recursive=True))
+    return found
 
 
 def gone(pid: int) -> bool:
