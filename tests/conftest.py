@@ -69,22 +69,47 @@ def tq(redis_server: RedisServer) -> Iterator[TransferQueue]:
 
 
 @pytest.fixture(scope="session")
-def shared_engine(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedEngine]:
+def up_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `<runs>/cache` for the `relayrl up` runs of the session (see
+    relayrl_testkit.helpers.up.sharing_cache): the model and warm start are built once."""
+    return tmp_path_factory.mktemp("up-cache")
+
+
+def _shared(model_dir: Path, workdir: Path) -> Iterator[SharedEngine]:
     from relayrl_testkit.helpers.engines import SharedEngine
 
-    shared = SharedEngine(model_dir, tmp_path_factory.mktemp("shared-engine"))
+    shared = SharedEngine(model_dir, workdir)
     try:
         yield shared
     finally:
         shared.stop()
 
 
-def _later_tests_use(request: pytest.FixtureRequest, fixture: str) -> bool:
+@pytest.fixture(scope="session")
+def shared_engine(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedEngine]:
+    yield from _shared(model_dir, tmp_path_factory.mktemp("shared-engine"))
+
+
+@pytest.fixture(scope="session")
+def shared_second_engine(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedEngine]:
+    yield from _shared(model_dir, tmp_path_factory.mktemp("shared-second-engine"))
+
+
+def _lease(
+    request: pytest.FixtureRequest, shared: SharedEngine, name: str
+) -> Iterator[EngineProcess]:
+    yield shared.lease()
+    problems = shared.restore()
     items = request.session.items
-    index = items.index(request.node)
-    return any(fixture in item.fixturenames for item in items[index + 1 :])
+    later = items[items.index(request.node) + 1 :]
+    if not any(name in item.fixturenames for item in later):
+        shared.stop()  # nothing after this test uses it
+    if problems:
+        pytest.fail("; ".join(problems))
 
 
 @pytest.fixture
@@ -93,12 +118,15 @@ def engine(request: pytest.FixtureRequest, shared_engine: SharedEngine) -> Itera
     time. Afterwards it is resumed, its own weights are reloaded if the test loaded others, its
     weight-version label and prefix cache are reset; a test that killed it fails here (the next
     one gets a fresh engine). Stopped after the last test that uses it."""
-    yield shared_engine.lease()
-    problems = shared_engine.restore()
-    if not _later_tests_use(request, "shared_engine"):
-        shared_engine.stop()
-    if problems:
-        pytest.fail("; ".join(problems))
+    yield from _lease(request, shared_engine, "shared_engine")
+
+
+@pytest.fixture
+def second_engine(
+    request: pytest.FixtureRequest, shared_second_engine: SharedEngine
+) -> Iterator[EngineProcess]:
+    """Another shared engine like `engine`, for tests that need two replicas."""
+    yield from _lease(request, shared_second_engine, "shared_second_engine")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from relayrl_testkit.helpers.up import (
     SHORT_RUN,
     UpProcess,
     deep_update,
+    sharing_cache,
     stack_state,
     wait_for_steps,
 )
@@ -100,7 +101,7 @@ def substitute(expr: str, namespace: str) -> str:
 
 @pytest.mark.timeout(900)
 def test_prometheus_scrapes_a_run_with_the_charts_monitoring_and_panels_have_data(
-    deploy_tools: Any, tmp_path: Path
+    deploy_tools: Any, tmp_path: Path, up_cache: Path
 ) -> None:
     objects = render_chart(deploy_tools)
     monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
@@ -111,7 +112,8 @@ def test_prometheus_scrapes_a_run_with_the_charts_monitoring_and_panels_have_dat
     core = json.loads((REPO / "deploy/grafana/core-panels.json").read_text())["panels"]
 
     config = deep_update(SHORT_RUN, {"train": {"steps": STEPS}, "eval": {"interval_steps": 0}})
-    up = UpProcess.start(tmp_path / "runs", config, "--mode", "separate_async")
+    runs_dir = sharing_cache(tmp_path / "runs", up_cache)
+    up = UpProcess.start(runs_dir, config, "--mode", "separate_async")
     prometheus = PrometheusServer(deploy_tools.prometheus, tmp_path / "prometheus")
     try:
         wait_for_steps(up, 1, 600)

@@ -57,6 +57,14 @@ def deep_update(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def sharing_cache(runs_dir: Path, cache: Path) -> Path:
+    """`runs_dir` whose `cache/` (the tiny model and the warm start, each keyed by its inputs)
+    is the folder `cache`, so that the runs of a test session build them once."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    (runs_dir / "cache").symlink_to(cache, target_is_directory=True)
+    return runs_dir
+
+
 def relayrl() -> str:
     return str(Path(sys.executable).parent / "relayrl")
 
@@ -167,7 +175,31 @@ def repository_copy(destination: Path) -> Path:
             (destination / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, destination / relative)
     (destination / ".venv").symlink_to(REPO / ".venv")
+    _setup_done_in(destination)
     return destination
+
+
+def _setup_done_in(copy: Path) -> None:
+    """No input of `make setup` in the copy is newer than the linked venv's setup stamp, and
+    the copied generated code is newer than both: else `make run` there would set up again and
+    point the shared venv's editable installs at the copy (a temporary folder), or regenerate
+    the protobuf code of the package the venv imports. The inputs are the stamps' prerequisites
+    in the Makefile."""
+    stamp = REPO / ".venv" / ".relayrl-setup"
+    if not stamp.exists():
+        return
+    done = stamp.stat().st_mtime
+    rule = next(
+        line for line in (copy / "Makefile").read_text().splitlines()
+        if line.startswith("$(SETUP_STAMP):")
+    )  # fmt: skip
+    for name in rule.split(":", 1)[1].split():
+        path = copy / name
+        if path.exists() and path.stat().st_mtime > done:
+            os.utime(path, (done, done))
+    generated = copy / "services/relayrl/proto/GENERATED_FROM"
+    if generated.exists():
+        generated.touch()  # `make protos` built it from these very sources
 
 
 def stack_state(run_dir: Path) -> dict[str, Any]:

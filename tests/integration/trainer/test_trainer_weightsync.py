@@ -78,9 +78,9 @@ def committed(weightsync: ServiceProcess) -> pb.GetVersionResponse:
 
 
 def test_tp2_trainer_ranks_send_to_two_replicas(
-    redis_server, tq, model_dir, engine, private_engine, tmp_path
+    redis_server, tq, model_dir, engine, second_engine, tmp_path
 ) -> None:
-    engines = [engine, private_engine("engine1")]
+    engines = [engine, second_engine]
     urls = [e.url for e in engines]
     ws_config = {"bucket_size_bytes": 128 * 1024, "engines": {"urls": urls}}
     with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:

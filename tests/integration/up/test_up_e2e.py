@@ -22,6 +22,7 @@ from relayrl_testkit.helpers.up import (
     processes_of,
     relayrl,
     repository_copy,
+    sharing_cache,
     stack_state,
     steps_logged,
     wait_for_steps,
@@ -41,9 +42,10 @@ EXPECTED_SERIES = {
 
 
 @pytest.fixture(scope="module")
-def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One runs folder per module: the model and warm start are built once (runs/cache)."""
-    return tmp_path_factory.mktemp("runs")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
+    """One runs folder per module; the model and warm start are built once per session
+    (runs/cache is the session's)."""
+    return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
 
 
 def sample_value(text: str, name: str) -> float | None:

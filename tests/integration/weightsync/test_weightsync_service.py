@@ -210,14 +210,14 @@ def test_a_late_joiner_pulls_the_committed_version(
     engine: EngineProcess,
     weightsync: ServiceProcess,
     model_dir: Path,
-    private_engine: Callable[..., EngineProcess],
+    second_engine: EngineProcess,
 ) -> None:
     weights = perturbed(model_dir, 0.3, seed=4)
     sender = WeightSyncSender(weightsync.target, timeout_s=120)
     version = version_of(weightsync).committed.version + 1
     sender.wait_committed(sender.publish(version, 0, weights.items()).transfer_id, 180)
     expected = generate(engine)
-    late = private_engine("late", max_model_len=512)
+    late = second_engine  # holds its initial weights: they are put back after every test
     try:
         with grpc.insecure_channel(weightsync.target) as channel:
             reply = weightsync_pb2_grpc.WeightSyncStub(channel).RegisterEngine(
@@ -235,7 +235,6 @@ def test_a_late_joiner_pulls_the_committed_version(
         assert generate(late) == expected
         assert engine_digest(late) == engine_digest(engine)
     finally:
-        late.stop()
         sender.close()
 
 
