@@ -1,6 +1,7 @@
-"""The real pipeline against the ideal one: relayrl's services run the seed's rollout pipeline
-(001 §13.3) in `sync`, partial eta=1 and partial eta=2, and `relayrl sim` simulates the same
-pipeline on the same episode durations and parameters, side by side in one run.
+"""The real pipeline against the ideal one: relayrl's services run the reference rollout
+pipeline (docs/simulation.md#pipeline-bench) in `sync`, partial eta=1 and partial eta=2, and
+`relayrl sim` simulates the same pipeline on the same episode durations and parameters, side
+by side in one run.
 
 What runs, per design, all real processes on loopback:
     redis-server (the TransferQueue), relayrl-reward (rule-based scoring), relayrl-gateway

@@ -1,5 +1,6 @@
-"""The seed's generative-judge reward benchmark (000 §2.4-§2.7), reproduced against the real
-reward-service process and the simulated vLLM judge (`relayrl.reward.judge_sim`) process.
+"""The generative-judge reward benchmark of docs/rewards.md#reference-benchmark, reproduced
+against the real reward-service process and the simulated vLLM judge
+(`relayrl_testkit.judge_sim`) process.
 
 Workload, as in the seed: 32 items per step, `pipeline.num_workers: 2`, judge verdicts of 200
 tokens, judge timing of a continuously batching vLLM (decode step 25 ms growing 4.7% per extra
@@ -10,12 +11,12 @@ genrm managers on the same judge: `judge` (no micro-batching) and `judge_mb` (mi
 
 The client plays the sampler: over a sampling window W (seed: ~40 s) it emits each item when
 its sequence finishes. Two arrival patterns:
-    short     all 32 sequences finish in the last 2.5% of W (seed §2.4: no overlap window)
+    short     all 32 sequences finish in the last 2.5% of W (no overlap window)
     longtail  the first at 40% of W, then dense early and sparse late: 0.4 + 0.6 (i/31)^2 of W
-              (seed §2.7: max_tokens 2048, long-tail generation)
+              (long-tail generation)
 Three modes per pattern:
     whole        wait for the last arrival, then one Submit of all 32 (manager `judge`, split
-                 into 2 chunks of 16 by the 2 workers) + Collect: the seed's path A
+                 into 2 chunks of 16 by the 2 workers) + Collect: the reference's path A
     per-item     one ScoreStream, each item written at its arrival, manager `judge`
     per-item+mb  the same stream on `judge_mb`
 Metric: t_collect = from the last arrival (the end of sampling) until every result is back.
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import statistics
 import sys
 import time
@@ -51,25 +51,28 @@ from relayrl.core.grpc_client import make_channel
 from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
-from relayrl.reward.judge_launcher import JudgeSimProcess, start_judge_sim
+from relayrl_testkit.helpers.signals import raise_on_sigterm
+from relayrl_testkit.judge_launcher import JudgeSimProcess, start_judge_sim
 
 ITEMS = 32
 WORKERS = 2
 VERDICT_TOKENS = 200
 STEP_S, STEP_GROWTH, PREFILL_S = 0.025, 0.047, 0.3
-WINDOW_S = 40.0  # the seed's sampling window (t_sample ~41-43 s in §2.7)
+# The reference benchmark's sampling window (t_sample ~41-43 s; docs/rewards.md).
+WINDOW_S = 40.0
 MB_SIZE, MB_TIMEOUT_MS, MB_INFLIGHT = 16, 200.0, 16
 OK_STATUSES = (common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_POLICY_FAIL)
 PATTERNS = ("short", "longtail")
 MODES = ("whole", "per-item", "per-item+mb")
-# The seed's numbers at full scale: t_collect (s), judge requests per step, items per request.
+# The reference benchmark's figures at full scale (docs/rewards.md#reference-benchmark):
+# t_collect (s), judge requests per step, items per request.
 SEED: dict[tuple[str, str], tuple[float, float, float]] = {
-    ("short", "whole"): (8.93, 2, 16.0),  # §2.4 rm-b-whole
-    ("short", "per-item"): (85.55, 32, 1.0),  # §2.4 rm-b-per
-    ("short", "per-item+mb"): (13.6, 8 / 3, 12.0),  # §2.5, MB 16 / 200 ms
-    ("longtail", "whole"): (11.49, 2, 16.0),  # §2.7 rm-b-whole
-    ("longtail", "per-item"): (68.4, 32, 1.0),  # §2.7 MB=0
-    ("longtail", "per-item+mb"): (7.10, 20, 1.6),  # §2.7 MB 16 (200 ms)
+    ("short", "whole"): (8.93, 2, 16.0),  # one request per worker
+    ("short", "per-item"): (85.55, 32, 1.0),  # one request per item
+    ("short", "per-item+mb"): (13.6, 8 / 3, 12.0),  # MB 16 / 200 ms
+    ("longtail", "whole"): (11.49, 2, 16.0),  # one request per worker
+    ("longtail", "per-item"): (68.4, 32, 1.0),  # no micro-batching
+    ("longtail", "per-item+mb"): (7.10, 20, 1.6),  # MB 16 / 200 ms
 }
 
 
@@ -79,15 +82,6 @@ SEED: dict[tuple[str, str], tuple[float, float, float]] = {
 def reward_service(config: dict[str, Any]) -> ServiceProcess:
     """relayrl-reward with `config`, in a temporary directory removed by stop()."""
     return ServiceProcess("relayrl-reward", config)
-
-
-def _raise_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so every `finally` stops the child processes."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 # --- workload --------------------------------------------------------------------------------
@@ -354,8 +348,8 @@ def report(runs: dict[tuple[str, str], list[Run]], scale: float) -> None:
             )
     print(
         "t_collect: last arrival -> every result back (median of the runs); @seed scale: "
-        "divided by the time scale; seed: 000 §2.4/§2.5 (short), §2.7 (longtail), judge "
-        "requests per step."
+        "divided by the time scale; seed: the reference benchmark's figures "
+        "(docs/rewards.md#reference-benchmark), judge requests per step."
     )
 
 
@@ -370,7 +364,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     scale = args.time_scale
-    _raise_on_sigterm()
+    raise_on_sigterm()
     print(
         f"reward-bench: {ITEMS} items/step, {WORKERS} workers, verdict {VERDICT_TOKENS} tokens, "
         f"judge step {STEP_S * 1000:.0f} ms (+{STEP_GROWTH:.1%}/seq), prefill {PREFILL_S} s, "
