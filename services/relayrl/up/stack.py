@@ -45,8 +45,10 @@ from relayrl.up.wiring import NAMESPACE, PARTITION, up_stack
 
 logger = logging.getLogger(__name__)
 
-# Start order; stop order is the reverse (the trainer first, Redis last).
-ORDER = ("redis", "reward", "engine-0", "gateway", "weightsync", "trainer")
+# Start order; stop order is the reverse (the trainer first, Redis last). Weight-sync comes up
+# before the gateway, which registers its replicas with weight-sync as it starts: the other way
+# round the first registration fails and waits out the gateway's retry interval.
+ORDER = ("redis", "reward", "engine-0", "weightsync", "gateway", "trainer")
 Ports = LocalPorts  # its old name, kept for callers of relayrl.up.stack
 
 
@@ -334,7 +336,7 @@ class Stack:
                 raise ChildStartError(name, reason, child.log_path) from exc
             self._record(Event(time.time(), name, "started", f"pid {child.pid}"))
             say(f"  {name:<11} ready in {time.monotonic() - started:5.1f} s (pid {child.pid})")
-            if name == "weightsync":  # the engines serve once weight-sync vouches for them
+            if name == "gateway":  # the engines serve once weight-sync vouches for them
                 self.wait_for_routing(timeout_s)
         self.write_state()
 
