@@ -73,6 +73,11 @@ class EngineProcess:
         return self.process is not None and self.process.poll() is None
 
     def start(self, timeout_s: float = 300.0) -> EngineProcess:
+        """Starts the engine and waits until it serves (`spawn`, then `wait_ready`)."""
+        return self.spawn().wait_ready(timeout_s)
+
+    def spawn(self) -> EngineProcess:
+        """Starts the engine process without waiting for it to serve."""
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "relayrl.engine", "--config", str(self.config_path)],
@@ -82,6 +87,13 @@ class EngineProcess:
                 start_new_session=True,
                 env=self._env,
             )
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> EngineProcess:
+        """Until the spawned engine answers /health; raises with its log if it exits first or
+        does not get ready in `timeout_s` (it is then killed)."""
+        if self.process is None:
+            raise RuntimeError("the engine is not spawned")
         deadline = time.monotonic() + timeout_s
         while not self._healthy():
             if self.process.poll() is not None:

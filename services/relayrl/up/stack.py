@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,8 +208,16 @@ class EngineChild(Child):
         return f"http://{self.config.host}:{self.config.port}"
 
     def start(self, timeout_s: float) -> None:
-        self.process = EngineProcess(self.config, self.workdir, log_path=self.log)
-        self.process.start(timeout_s=timeout_s)
+        self.spawn()
+        self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Starts the engine without waiting for it to serve (`wait_ready` does)."""
+        self.process = EngineProcess(self.config, self.workdir, log_path=self.log).spawn()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None, "spawn() first"
+        self.process.wait_ready(timeout_s=timeout_s)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.alive()
@@ -317,28 +325,62 @@ class Stack:
         )
 
     def start(self, names: tuple[str, ...] = ORDER, say: Callable[[str], None] = print) -> None:
-        """Starts `names` in order (each ready before the next) and writes stack.json; a child
-        that does not come up raises ChildStartError."""
+        """Starts `names` in order, each ready before the next, and writes stack.json; a child
+        that does not come up raises ChildStartError. Engines, the slowest to start, are the
+        exception: one is spawned at its turn and waited for just before the gateway (which
+        routes to it), so the services in between start while it boots."""
         if not self.children:
             self.build()
         timeout_s = self.config.supervision.start_timeout_s
+        booting: dict[str, float] = {}  # engine -> when it was spawned
         for name in names:
             child = self.children[name]
+            if isinstance(child, EngineChild):
+                with self._starting(name):
+                    child.spawn()
+                booting[name] = time.monotonic()
+                continue
+            if name == "gateway":
+                self._wait_for_engines(booting, timeout_s, say)
             started = time.monotonic()
-            try:
+            with self._starting(name):
                 child.start(timeout_s)
-            except Exception as exc:
-                self.write_state()  # what did start is stopped by PID from here
-                reason = start_failure_reason(exc)
-                detail = last_log_message(child.log_path)
-                if detail and detail not in reason:
-                    reason = f"{reason}: {detail}"
-                raise ChildStartError(name, reason, child.log_path) from exc
-            self._record(Event(time.time(), name, "started", f"pid {child.pid}"))
-            say(f"  {name:<11} ready in {time.monotonic() - started:5.1f} s (pid {child.pid})")
+            self._started(name, started, say)
             if name == "gateway":  # the engines serve once weight-sync vouches for them
                 self.wait_for_routing(timeout_s)
+        self._wait_for_engines(booting, timeout_s, say)
         self.write_state()
+
+    def _wait_for_engines(
+        self, booting: dict[str, float], timeout_s: float, say: Callable[[str], None]
+    ) -> None:
+        while booting:
+            name, spawned = booting.popitem()
+            child = self.children[name]
+            assert isinstance(child, EngineChild)
+            with self._starting(name):
+                child.wait_ready(max(1.0, timeout_s - (time.monotonic() - spawned)))
+            self._started(name, spawned, say)
+
+    @contextlib.contextmanager
+    def _starting(self, name: str) -> Iterator[None]:
+        """Turns a failure to start `name` into ChildStartError (naming its log's last
+        message); what did start is in stack.json, to be stopped by PID."""
+        try:
+            yield
+        except Exception as exc:
+            self.write_state()
+            log_path = self.children[name].log_path
+            reason = start_failure_reason(exc)
+            detail = last_log_message(log_path)
+            if detail and detail not in reason:
+                reason = f"{reason}: {detail}"
+            raise ChildStartError(name, reason, log_path) from exc
+
+    def _started(self, name: str, since: float, say: Callable[[str], None]) -> None:
+        child = self.children[name]
+        self._record(Event(time.time(), name, "started", f"pid {child.pid}"))
+        say(f"  {name:<11} ready in {time.monotonic() - since:5.1f} s (pid {child.pid})")
 
     def wait_for_routing(self, timeout_s: float) -> None:
         """Until the gateway routes to every engine (weight-sync confirmed its weights);

@@ -84,17 +84,27 @@ class SharedEngine:
         self._initial: EngineState | None = None
         self.num_starts = 0
 
-    def lease(self) -> EngineProcess:
+    def boot(self) -> None:
+        """Starts the engine without waiting for it, so that it boots while other tests run;
+        the first lease waits for it. Nothing happens when one is already started."""
         if self._engine is None:
-            self._start()
-        assert self._engine is not None
-        return self._engine
+            self.num_starts += 1
+            workdir = self._workdir / f"engine-{self.num_starts}"
+            settings = {"cache_dir": self._workdir / "cache", **TEST_ENGINE_SETTINGS}
+            config = EngineConfig(model=self._model_dir, **settings)
+            self._engine = EngineProcess(config, workdir).spawn()
 
-    def _start(self) -> None:
-        self.num_starts += 1
-        workdir = self._workdir / f"engine-{self.num_starts}"
-        self._engine = start_engine(self._model_dir, workdir, cache_dir=self._workdir / "cache")
-        self._initial = _call(self._engine, _read_state)
+    def lease(self) -> EngineProcess:
+        self.boot()
+        assert self._engine is not None
+        if self._initial is None:  # its first lease
+            try:
+                self._engine.wait_ready()
+            except BaseException:
+                self.stop()
+                raise
+            self._initial = _call(self._engine, _read_state)
+        return self._engine
 
     def restore(self, idle_timeout_s: float = 120.0) -> list[str]:
         """Puts the engine back as it was first found; returns what the lessee left that
@@ -137,3 +147,4 @@ class SharedEngine:
         if self._engine is not None:
             self._engine.stop()
             self._engine = None
+            self._initial = None
