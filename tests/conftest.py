@@ -99,18 +99,11 @@ def shared_second_engine(
     yield from _shared(model_dir, tmp_path_factory.mktemp("shared-second-engine"))
 
 
-def _boot_if_used_later(request: pytest.FixtureRequest, name: str) -> None:
-    """Starts the shared engine `name` without waiting when a test from this one on uses it:
-    it boots (about 25 s of vLLM start-up) while other tests run; its first lessee waits."""
-    items = request.session.items
-    if any(name in item.fixturenames for item in items[items.index(request.node) :]):
-        request.getfixturevalue(name).boot()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _boot_the_shared_engine(request: pytest.FixtureRequest) -> None:
-    """The session's engine boots from its first test on; the second one from the first use
-    of the first (two vLLM start-ups at once would slow the tests beside them too much)."""
+    """The session's engine boots from its first test on, while the tests before its first
+    lessee run (that lessee waits for it). The second shared engine starts at its first lease:
+    booted ahead too, it slowed the CPU-bound tests beside it by more than it saved."""
     if any("shared_engine" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("shared_engine").boot()
 
@@ -134,7 +127,6 @@ def engine(request: pytest.FixtureRequest, shared_engine: SharedEngine) -> Itera
     time. Afterwards it is resumed, its own weights are reloaded if the test loaded others, its
     weight-version label and prefix cache are reset; a test that killed it fails here (the next
     one gets a fresh engine). Stopped after the last test that uses it."""
-    _boot_if_used_later(request, "shared_second_engine")
     yield from _lease(request, shared_engine, "shared_engine")
 
 
