@@ -28,15 +28,22 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
+def spawn_engine(
+    model_dir: Path, workdir: Path, *, env: dict[str, str] | None = None, **settings: Any
+) -> EngineProcess:
+    """An engine serving `model_dir` on a free loopback port, started but not yet waited for
+    (`wait_ready`); its log, config and vLLM cache in `workdir`. `env`: variables added to its
+    environment; `settings`: EngineConfig fields over TEST_ENGINE_SETTINGS."""
+    settings = {"cache_dir": workdir / "cache", **TEST_ENGINE_SETTINGS, **settings}
+    config = EngineConfig(model=model_dir, **settings)
+    return EngineProcess(config, workdir, env=env).spawn()
+
+
 def start_engine(
     model_dir: Path, workdir: Path, *, env: dict[str, str] | None = None, **settings: Any
 ) -> EngineProcess:
-    """A private engine serving `model_dir` on a free loopback port, ready; its log, config and
-    vLLM cache in `workdir`. `env`: variables added to its environment; `settings`:
-    EngineConfig fields over TEST_ENGINE_SETTINGS."""
-    settings = {"cache_dir": workdir / "cache", **TEST_ENGINE_SETTINGS, **settings}
-    config = EngineConfig(model=model_dir, **settings)
-    return EngineProcess(config, workdir, env=env).start()
+    """A private engine as `spawn_engine` starts it, ready."""
+    return spawn_engine(model_dir, workdir, env=env, **settings).wait_ready()
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,7 @@ class SharedEngine:
         if self._engine is None:
             self.num_starts += 1
             workdir = self._workdir / f"engine-{self.num_starts}"
-            settings = {"cache_dir": self._workdir / "cache", **TEST_ENGINE_SETTINGS}
-            config = EngineConfig(model=self._model_dir, **settings)
-            self._engine = EngineProcess(config, workdir).spawn()
+            self._engine = spawn_engine(self._model_dir, workdir, cache_dir=self._workdir / "cache")
 
     def lease(self) -> EngineProcess:
         self.boot()
