@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from relayrl.core.config import LoggingConfig
+from relayrl.core.ports import free_port
 from relayrl.core.service_process import ServiceProcess, console_script
 from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.sim.durations import EpisodeModel
@@ -55,7 +56,7 @@ from relayrl.sim.pipeline import PipelineConfig, SimResult, simulate
 from relayrl.stack import SERVICES, EngineDiscovery, RolloutShape, StackConfig, Wiring
 from relayrl.stack.local import LocalPorts
 from relayrl.tq.config import TQConfig
-from relayrl.tq.server import RedisServer, free_port
+from relayrl.tq.server import RedisServer
 
 PARTITION = "train"
 NAMESPACE = "pipebench"

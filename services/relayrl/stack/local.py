@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relayrl.core.ports import free_port
 from relayrl.stack.config import SERVICES, Endpoint, Endpoints
-from relayrl.tq.server import free_port
 
 
 @dataclass
@@ -20,14 +20,12 @@ class LocalPorts:
     @classmethod
     def choose(cls) -> LocalPorts:
         """Distinct free loopback ports for Redis, one engine, every service and the agent
-        endpoint."""
+        endpoint, outside the kernel's ephemeral range: some are bound minutes later (after
+        the warm start and the engine's boot; relayrl.core.ports)."""
         taken: set[int] = set()
 
         def pick() -> int:
-            while (port := free_port()) in taken:
-                pass
-            taken.add(port)
-            return port
+            return free_port(avoid=taken)
 
         return cls(
             redis=pick(),

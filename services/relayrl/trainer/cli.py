@@ -80,7 +80,8 @@ def sft_main(argv: Sequence[str]) -> int:
         return EXIT_USAGE
     import os
 
-    from relayrl.trainer.server import free_port, quiet_megatron
+    from relayrl.core.ports import free_port
+    from relayrl.trainer.server import quiet_megatron
     from relayrl.trainer.sft import SftDataError, SftSettings, run_sft
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

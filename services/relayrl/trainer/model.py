@@ -21,7 +21,6 @@ import pickle
 import queue as queue_module
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from relayrl.core.ports import free_port
 from relayrl.trainer.hf_mapping import ModelSpec, export_hf_tensors, hf_to_mcore
 from relayrl.trainer.megatron_compat import install_cpu_compat
 
@@ -425,12 +425,6 @@ class RankFailedError(RuntimeError):
     """A rank started by `spawn_ranks` raised, died or timed out."""
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
@@ -488,7 +482,7 @@ def spawn_ranks(
         raise ValueError(f"world_size {world_size} must be >= 1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_loopback_port()
+    port = free_port()
     num_threads = max(1, (os.cpu_count() or 1) // world_size)
     processes = [
         ctx.Process(

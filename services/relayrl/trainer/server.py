@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from relayrl.core.logs import setup_logging
+from relayrl.core.ports import free_port
 from relayrl.trainer.config import TrainerConfig
 
 if TYPE_CHECKING:  # torch and megatron load after the config, in the process that trains
@@ -64,12 +64,6 @@ def __getattr__(name: str) -> Any:
 
 
 # -- ranks -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start_local_ranks(

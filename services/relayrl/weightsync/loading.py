@@ -14,11 +14,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from relayrl.core.ports import free_port
 from relayrl.transfer.request import ReceiveRequest
 from relayrl.transfer.transports.base import TransportSpec
 from relayrl.weightsync.config import WeightSyncConfig
@@ -378,7 +378,7 @@ class BroadcastLoader(Loader):
     def _spec(self, transfer: Transfer, round_: int, receivers: int) -> TransportSpec:
         plane = self._config.data_plane
         host = plane.host or self._advertise_target().rpartition(":")[0].strip("[]")
-        port = plane.rendezvous_port or _free_port(host)
+        port = plane.rendezvous_port or free_port(host)
         return TransportSpec(
             type=plane.transport,
             transfer_id=f"{transfer.transfer_id}-{round_}",
@@ -403,11 +403,3 @@ def _receive_error(task: asyncio.Future[None], spec: TransportSpec) -> Exception
         )
     error = task.exception()
     return error if isinstance(error, Exception) else None
-
-
-def _free_port(host: str) -> int:
-    """A port free on `host` now (the rendezvous store binds it a moment later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return int(probe.getsockname()[1])

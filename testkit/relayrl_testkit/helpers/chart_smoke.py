@@ -41,7 +41,6 @@ import copy
 import json
 import math
 import os
-import random
 import re
 import shlex
 import signal
@@ -58,6 +57,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from relayrl.core.ports import free_port
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 PROBE_KINDS = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -283,32 +284,6 @@ def static_problems(objects: list[dict[str, Any]], namespace: str = "default") -
 
 
 # -- processes and probes ----------------------------------------------------------------------
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(avoid: set[int]) -> int:
-    """A free loopback port below the kernel's ephemeral range. The pods are started minutes
-    after their ports are chosen; an ephemeral port (what bind(0) returns) may meanwhile be
-    taken as the source port of some outgoing connection (seen in CI: "Address already in
-    use" for the trainer's metrics port), a port outside that range cannot."""
-    high = _ephemeral_low() - 1
-    while True:
-        port = random.randint(max(1024, high - 12000), high)
-        if port in avoid:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((LOOPBACK, port))
-            except OSError:
-                continue
-        avoid.add(port)
-        return port
 
 
 @dataclass

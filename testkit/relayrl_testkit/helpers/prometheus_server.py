@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from relayrl.tq.server import free_port
+from relayrl.core.ports import free_port
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 

@@ -30,7 +30,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch
 
+from relayrl.core.ports import free_port
 from relayrl.transfer.transports.base import (
     TransportError,
     TransportSpec,
@@ -55,12 +55,6 @@ PR_SET_PDEATHSIG = 1
 
 def bucket_bytes(seed: int, index: int, size: int) -> bytes:
     return random.Random(f"{seed}/{index}").randbytes(size)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def die_with_parent() -> None:

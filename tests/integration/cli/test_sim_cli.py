@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
+from relayrl.core.ports import free_port
 from relayrl.sim.sources import PROMETHEUS_METRIC, histogram_from_prometheus
-from relayrl.tq.server import free_port
 from relayrl_testkit.helpers.prometheus_server import PrometheusServer
 
 BIN = Path(sys.executable).parent

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from relayrl.engine.process import EngineProcess, free_port
+from relayrl.core.ports import free_port
+from relayrl.engine.process import EngineProcess
 from relayrl.inference.client import (
     EngineRejected,
     EngineUnavailable,

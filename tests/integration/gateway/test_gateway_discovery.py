@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from relayrl.engine.process import free_port
+from relayrl.core.ports import free_port
 from relayrl.gateway.config import KubernetesDiscoveryConfig
 from relayrl.gateway.discovery import EndpointSliceDiscovery, endpoint_urls
 from relayrl.gateway.replicas import ReplicaPool

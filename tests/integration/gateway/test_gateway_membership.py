@@ -21,12 +21,13 @@ import grpc
 import pytest
 import torch
 
+from relayrl.core.ports import free_port
 from relayrl.core.service_process import ServiceProcess
 from relayrl.inference.client import VllmEngineClient
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
-from relayrl.tq.server import RedisServer, free_port
+from relayrl.tq.server import RedisServer
 from relayrl.weightsync.sender import WeightSyncSender
 
 pytestmark = pytest.mark.slow

@@ -25,6 +25,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from relayrl.core.ports import free_port
 from relayrl.models import TinyModelConfig
 from relayrl.models.tiny import init_model
 
@@ -37,12 +38,6 @@ NUM_TOP_LOGPROBS = 5
 LOGPROB_TOLERANCE = 1e-3
 # Loopback only: never through an HTTP(S)_PROXY from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def process_group(pgid: int) -> list[int]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from relayrl.core.ports import free_port
 from relayrl.sim.durations import EpisodeModel
 from relayrl.sim.pipeline import PipelineConfig
 from relayrl.sim.sources import (
@@ -22,7 +23,6 @@ from relayrl.sim.sources import (
     parse_durations_file,
     simulate_source,
 )
-from relayrl.tq.server import free_port
 
 
 def test_a_file_of_one_duration_per_line(tmp_path: Path) -> None:

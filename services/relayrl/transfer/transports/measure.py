@@ -34,14 +34,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
+from relayrl.core.ports import free_port
+
 _CHUNK_BYTES = 4 << 20
 _WAIT_S = 600.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _rss_bytes() -> int:
@@ -414,7 +410,7 @@ def measure_transport_gbps(
         num_senders=num_senders,
         num_receivers=num_receivers,
         bucket_sizes=sizes,
-        rendezvous=f"127.0.0.1:{_free_port()}",
+        rendezvous=f"127.0.0.1:{free_port()}",
         timeout_s=120.0,
     )
     context = multiprocessing.get_context("spawn")
