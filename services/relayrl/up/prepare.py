@@ -153,7 +153,9 @@ def digest(payload: Any) -> str:
 
 
 def _cached(path: Path, build: Callable[[Path], None]) -> Path:
-    """`path` if it exists, else built into a sibling temporary folder and renamed."""
+    """`path` if it exists, else built into a sibling temporary folder and renamed. Two runs
+    that build the same entry at once both succeed: the second rename finds the first's entry
+    (the same inputs, so the same content) and keeps it."""
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +163,11 @@ def _cached(path: Path, build: Callable[[Path], None]) -> Path:
     shutil.rmtree(scratch, ignore_errors=True)
     try:
         build(scratch)
-        scratch.rename(path)
+        try:
+            scratch.rename(path)
+        except OSError:
+            if not path.is_dir():
+                raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return path
