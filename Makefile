@@ -50,14 +50,20 @@ protos: $(SETUP_STAMP) ## regenerate _pb2 / _pb2_grpc / .pyi code from protos/ (
 contract: $(SETUP_STAMP) ## record the v1 contract after an additive proto change (check refuses breaking ones)
 	$(BIN)/python -m relayrl.core.protogen snapshot
 
-test: setup ## run the whole test suite (what CI runs)
-	$(BIN)/python -m pytest
+# Two pytest workers: the suite waits on subprocesses for much of its time (vLLM booting,
+# `relayrl up` runs), so the second core is otherwise idle; tests/conftest.py decides what runs
+# together (relayrl_testkit.helpers.workers). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
+test: setup ## run the whole test suite (what CI runs); PYTEST_ARGS adds pytest options
+	$(PYTEST) $(PYTEST_ARGS)
 
 test-unit: setup ## run the pure-logic unit tests only
 	$(BIN)/python -m pytest tests/unit
 
 test-integration: setup ## run the tests against real redis-server, gRPC servers and processes
-	$(BIN)/python -m pytest tests/integration
+	$(PYTEST) $(PYTEST_ARGS) tests/integration
 
 test-learning: setup ## the full default `relayrl up` run, asserting the held-out gain (~15 min; not in CI)
 	$(BIN)/python -m pytest --run-learning -m learning tests

@@ -4,6 +4,9 @@ beside private engines for tests that kill one, change its weights or need other
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,15 +27,81 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run the `learning` tests (the full default `relayrl up`, ~15 min each)",
     )
+    parser.addoption(
+        "--write-unit-costs",
+        metavar="PATH",
+        type=Path,
+        help="with two or more workers: write the seconds each unit of work took, for the next "
+        "runs to send the longest first (relayrl_testkit.helpers.workers)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-learning"):
+    if not config.getoption("--run-learning"):
+        skip = pytest.mark.skip(reason="a full learning run: `make test-learning` runs it")
+        for item in items:
+            if "learning" in item.keywords:
+                item.add_marker(skip)
+    units_file = getattr(config, "workerinput", {}).get(UNITS_FILE)
+    if units_file:  # a worker of `make test` (relayrl_testkit.helpers.workers)
+        from relayrl_testkit.helpers.workers import order_by_unit, recorded_costs, write_units
+
+        write_units(order_by_unit(items, recorded_costs()), Path(units_file))
+
+
+# -- sharing the suite between workers (relayrl_testkit.helpers.workers) ----------------------
+
+UNITS_FILE = "relayrl_units_file"
+"""The key of the units file's path in each worker's `workerinput`."""
+
+
+def _units_file(config: pytest.Config) -> Path:
+    """Where the workers write each test's unit for the controller (made on first use)."""
+    if not hasattr(config, "_relayrl_units_file"):
+        config._relayrl_units_file = Path(tempfile.mkdtemp(prefix="relayrl-units-")) / "units"
+    return config._relayrl_units_file
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "_relayrl_units_file") and not hasattr(config, "workerinput"):
+        shutil.rmtree(config._relayrl_units_file.parent, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadscope":
+        return None
+    from relayrl_testkit.helpers.workers import UnitScheduling
+
+    return UnitScheduling(config, _units_file(config), log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    if node.config.getoption("dist") == "loadscope":
+        node.workerinput[UNITS_FILE] = str(_units_file(node.config))
+
+
+_phase_durations: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _phase_durations.append((report.nodeid, report.duration))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    path = config.getoption("--write-unit-costs")
+    if path is None or hasattr(config, "workerinput"):
         return
-    skip = pytest.mark.skip(reason="a full learning run: `make test-learning` runs it")
-    for item in items:
-        if "learning" in item.keywords:
-            item.add_marker(skip)
+    if not _units_file(config).exists():
+        raise pytest.UsageError("--write-unit-costs needs the workers of `make test` (-n 2)")
+    import json
+
+    from relayrl_testkit.helpers.workers import unit_costs
+
+    units = json.loads(_units_file(config).read_text())
+    path.write_text(json.dumps(unit_costs(_phase_durations, units), indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -70,8 +139,12 @@ def tq(redis_server: RedisServer) -> Iterator[TransferQueue]:
 
 @pytest.fixture(scope="session")
 def up_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One `<runs>/cache` for the `relayrl up` runs of the session (see
+    """One `<runs>/cache` for the `relayrl up` runs of the session, its workers included (see
     relayrl_testkit.helpers.up.sharing_cache): the model and warm start are built once."""
+    if "PYTEST_XDIST_WORKER" in os.environ:  # the folder above each worker's basetemp
+        cache = tmp_path_factory.getbasetemp().parent / "up-cache"
+        cache.mkdir(exist_ok=True)
+        return cache
     return tmp_path_factory.mktemp("up-cache")
 
 
@@ -103,7 +176,11 @@ def shared_second_engine(
 def _boot_the_shared_engine(request: pytest.FixtureRequest) -> None:
     """The session's engine boots from its first test on, while the tests before its first
     lessee run (that lessee waits for it). The second shared engine starts at its first lease:
-    booted ahead too, it slowed the CPU-bound tests beside it by more than it saved."""
+    booted ahead too, it slowed the CPU-bound tests beside it by more than it saved. With
+    workers, the engines' lessees are one unit (relayrl_testkit.helpers.workers), sent early
+    to one worker: the other must not boot an engine it will never lease."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     if any("shared_engine" in item.fixturenames for item in request.session.items):
         request.getfixturevalue("shared_engine").boot()
 
