@@ -31,7 +31,7 @@ def ephemeral_low() -> int:
         return 32768
 
 
-def free_port(host: str = "127.0.0.1", avoid: MutableSet[int] | None = None) -> int:
+def free_port(host: str = "127.0.0.1", *, avoid: MutableSet[int] | None = None) -> int:
     """A port that nothing on `host` listens on now, below the ephemeral range, and not in
     `avoid` (to which it is added: pass one set to get several distinct ports)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -512,7 +512,7 @@ class ChartSmoke:
             for container in pod.containers():
                 for declared in container_ports(container):
                     key = (pod.name, container["name"], int(declared["containerPort"]))
-                    self.local_ports[key] = free_port(avoid)
+                    self.local_ports[key] = free_port(avoid=avoid)
 
     def local_port(self, component: str, port: int | str) -> int:
         """The local port of a component's (replica 0) containerPort, by name or number."""
