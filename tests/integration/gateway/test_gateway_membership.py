@@ -137,8 +137,14 @@ def test_a_replica_is_routed_only_once_weightsync_vouches_for_its_weights(
             result = sender.publish(1, 1, tensors.items())
             sender.wait_committed(result.transfer_id, 60)
             sender.close()
-            until(lambda: replica(gateway).weight_version.version == 1, "version 1 routed")
-            assert replica(gateway).state == SERVING
+            # the gateway learns the new version before weight-sync resumes the replica
+            until(
+                lambda: (
+                    (found := replica(gateway)).weight_version.version == 1
+                    and found.state == SERVING
+                ),
+                "version 1 routed",
+            )
             assert emulator.holds() == result.transfer_id
 
             # weight-sync dies and comes back: the committed version is read back, and the
