@@ -1,4 +1,5 @@
-"""Hugging Face (Qwen2 / Llama) <-> megatron-core GPTModel weights, per tensor-parallel rank.
+"""Hugging Face (Qwen2 / Llama / Qwen3) <-> megatron-core GPTModel weights, per tensor-parallel
+rank.
 
 megatron-bridge does not install on CPU, so the mapping lives here. The conversions are pure
 tensor functions (`hf_to_mcore`, `mcore_to_hf`: no process group, usable in tests and tools);
@@ -13,6 +14,7 @@ nh = query heads, hd = head size, r = TP rank):
     decoder.layers.{i}.self_attention.linear_qkv.weight [ng/TP*(nh/ng+2)*hd, H]
         per KV group g of rank r: [q heads of g (nh/ng*hd rows) | k_g (hd) | v_g (hd)]
     decoder.layers.{i}.self_attention.linear_qkv.bias   same rows (Qwen2)
+    decoder.layers.{i}.self_attention.{q,k}_layernorm.weight [hd]  replicated (Qwen3)
     decoder.layers.{i}.self_attention.linear_proj.weight [H, nh/TP*hd] columns of rank r
     decoder.layers.{i}.pre_mlp_layernorm.weight        [H]
     decoder.layers.{i}.mlp.linear_fc1.weight           [2*I/TP, H] = [gate_r; up_r]
@@ -28,6 +30,7 @@ With Transformer-Engine-style fused norms the two layer norms are named
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +38,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+from relayrl.models.families import TRAINABLE_MODEL_TYPES
+
+SUPPORTED_MODEL_TYPES = TRAINABLE_MODEL_TYPES
 
 # Per-layer names, relative to `decoder.layers.{i}.` / `model.layers.{i}.`.
 _MC_INPUT_NORM = "input_layernorm.weight"
@@ -45,6 +50,8 @@ _MC_MLP_NORM_TE = "mlp.linear_fc1.layer_norm_weight"
 _MC_QKV_W = "self_attention.linear_qkv.weight"
 _MC_QKV_B = "self_attention.linear_qkv.bias"
 _MC_PROJ = "self_attention.linear_proj.weight"
+_MC_Q_NORM = "self_attention.q_layernorm.weight"
+_MC_K_NORM = "self_attention.k_layernorm.weight"
 _MC_FC1 = "mlp.linear_fc1.weight"
 _MC_FC2 = "mlp.linear_fc2.weight"
 _MC_EMBEDDING = "embedding.word_embeddings.weight"
@@ -54,6 +61,37 @@ _MC_OUTPUT = "output_layer.weight"
 _HF_EMBEDDING = "model.embed_tokens.weight"
 _HF_FINAL_NORM = "model.norm.weight"
 _HF_LM_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (`rope_type: llama3` in config.json): wavelengths
+    longer than the original context divided by `factor`, shorter than its 1/high_freq_factor
+    kept, those between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    @classmethod
+    def from_rope_parameters(cls, rope: Mapping[str, Any]) -> Llama3RopeScaling:
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [key for key in keys if key not in rope]
+        if missing:
+            raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_parameters")
+        scaling = cls(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+        if not (scaling.factor >= 1.0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor):
+            raise ValueError(
+                f"rope_parameters of rope_type 'llama3' are out of range: factor >= 1 and "
+                f"0 < low_freq_factor < high_freq_factor, got {dict(rope)}"
+            )
+        return scaling
 
 
 @dataclass(frozen=True)
@@ -72,6 +110,9 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    rope_scaling: Llama3RopeScaling | None = None
+    qk_norm: bool = False
+    """An RMSNorm over each head's queries and keys before RoPE (Qwen3)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_kv_heads:
@@ -115,12 +156,15 @@ class ModelSpec:
             raise ValueError("sliding-window attention is not supported; use full attention")
         if config.get("mlp_bias"):
             raise ValueError("mlp_bias is not supported")
-        if model_type == "llama" and config.get("attention_bias"):
-            raise ValueError("llama attention_bias (bias on o_proj too) is not supported")
+        if model_type in ("llama", "qwen3") and config.get("attention_bias"):
+            raise ValueError(f"{model_type} attention_bias (bias on o_proj too) is not supported")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported (default RoPE or llama3 scaling)"
+            )
+        scaling = Llama3RopeScaling.from_rope_parameters(rope) if rope_type == "llama3" else None
         rope_theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
@@ -136,8 +180,32 @@ class ModelSpec:
             rms_norm_eps=float(config["rms_norm_eps"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
             max_position_embeddings=int(config["max_position_embeddings"]),
+            rope_scaling=scaling,
         )
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """RoPE's inverse frequencies (fp32, one per pair of head dimensions), scaled as the
+        config says: what transformers computes for the same config."""
+        dim = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        scaling = self.rope_scaling
+        if scaling is None:
+            return inv_freq
+        context = scaling.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(
+            wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq
+        )
+        smooth = (context / wavelength - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        between = (wavelength >= context / scaling.high_freq_factor) & (
+            wavelength <= context / scaling.low_freq_factor
+        )
+        return torch.where(between, blended, scaled)
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> ModelSpec:
@@ -211,6 +279,9 @@ def hf_to_mcore(
             out[m + _MC_QKV_B] = _fuse_qkv(
                 *(hf[f"{attn}{p}_proj.bias"] for p in "qkv"), spec, tp_rank, tp_size
             )
+        if spec.qk_norm:
+            out[m + _MC_Q_NORM] = hf[attn + "q_norm.weight"].clone()
+            out[m + _MC_K_NORM] = hf[attn + "k_norm.weight"].clone()
         out[m + _MC_PROJ] = _shard(hf[attn + "o_proj.weight"], 1, tp_rank, tp_size)
         out[m + mlp_norm] = hf[h + "post_attention_layernorm.weight"].clone()
         out[m + _MC_FC1] = torch.cat(
@@ -262,6 +333,8 @@ def _layer_unit(i: int, spec: ModelSpec, fused_layer_norm: bool) -> _Unit:
     names: list[tuple[str, int | None]] = [(input_norm, None), (m + _MC_QKV_W, 0)]
     if spec.qkv_bias:
         names.append((m + _MC_QKV_B, 0))
+    if spec.qk_norm:
+        names += [(m + _MC_Q_NORM, None), (m + _MC_K_NORM, None)]
     names += [(m + _MC_PROJ, 1), (mlp_norm, None), (m + _MC_FC1, 0), (m + _MC_FC2, 1)]
 
     def to_hf(ranks: list[dict[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -277,6 +350,9 @@ def _layer_unit(i: int, spec: ModelSpec, fused_layer_norm: bool) -> _Unit:
             q_b, k_b, v_b = _unfuse_qkv([r[m + _MC_QKV_B] for r in ranks], spec)
             out += [(attn + "q_proj.bias", q_b), (attn + "k_proj.bias", k_b)]
             out += [(attn + "v_proj.bias", v_b)]
+        if spec.qk_norm:
+            out += [(attn + "q_norm.weight", ranks[0][m + _MC_Q_NORM])]
+            out += [(attn + "k_norm.weight", ranks[0][m + _MC_K_NORM])]
         gate_up = [torch.chunk(r[m + _MC_FC1], 2, dim=0) for r in ranks]
         out += [
             (attn + "o_proj.weight", torch.cat([r[m + _MC_PROJ] for r in ranks], dim=1)),
@@ -323,6 +399,8 @@ def hf_tensor_names(spec: ModelSpec) -> list[str]:
         names += [f"{h}self_attn.{p}_proj.weight" for p in "qkv"]
         if spec.qkv_bias:
             names += [f"{h}self_attn.{p}_proj.bias" for p in "qkv"]
+        if spec.qk_norm:
+            names += [h + "self_attn.q_norm.weight", h + "self_attn.k_norm.weight"]
         names += [h + "self_attn.o_proj.weight", h + "post_attention_layernorm.weight"]
         names += [f"{h}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     names.append(_HF_FINAL_NORM)

@@ -215,7 +215,9 @@ def build_model(
     config = transformer_config(spec, params_dtype)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=spec.qk_norm
+        ),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,
@@ -226,6 +228,11 @@ def build_model(
         rotary_percent=1.0,
         rotary_base=spec.rope_theta,
     )
+    if spec.rope_scaling is not None:
+        # megatron's own llama3 scaling fixes low/high_freq_factor and the original context
+        # (1, 4, 8192); the config's values are applied here instead, before any forward.
+        rotary = gpt.rotary_pos_emb
+        rotary.inv_freq = spec.rope_inv_freq().to(rotary.inv_freq.device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

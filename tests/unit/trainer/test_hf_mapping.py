@@ -47,6 +47,8 @@ def random_hf(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
         "gate_proj.weight": (spec.intermediate_size, h),
         "up_proj.weight": (spec.intermediate_size, h),
         "down_proj.weight": (h, spec.intermediate_size),
+        "q_norm.weight": (hd,),
+        "k_norm.weight": (hd,),
         "layernorm.weight": (h,),
         "norm.weight": (h,),
         "embed_tokens.weight": (spec.vocab_size, h),
@@ -67,6 +69,7 @@ SPECS = {
     "gqa_untied_wide_heads": dataclasses.replace(
         SPEC, num_kv_heads=4, head_dim=8, tie_word_embeddings=False
     ),
+    "qwen3_qk_norm": dataclasses.replace(SPEC, qkv_bias=False, qk_norm=True, head_dim=8),
 }
 
 
@@ -181,6 +184,9 @@ def test_spec_from_qwen2_and_llama_configs() -> None:
     }
     spec = ModelSpec.from_hf_config(llama)
     assert not spec.qkv_bias and spec.head_dim == 64 and spec.rope_theta == 500_000.0
+    assert not spec.qk_norm and spec.rope_scaling is None
+    spec = ModelSpec.from_hf_config({**QWEN2_CONFIG, "model_type": "qwen3", "head_dim": 128})
+    assert spec.qk_norm and not spec.qkv_bias and spec.head_dim == 128
 
 
 @pytest.mark.parametrize(
@@ -188,7 +194,8 @@ def test_spec_from_qwen2_and_llama_configs() -> None:
     [
         ({"use_sliding_window": True}, "sliding-window"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"model_type": "qwen3"}, "model_type"),
+        ({"model_type": "gemma2"}, "model_type"),
+        ({"model_type": "qwen3", "attention_bias": True}, "qwen3 attention_bias"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
     ],
@@ -203,3 +210,39 @@ def test_missing_hf_tensor_is_refused_by_name() -> None:
     del hf["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         hf_to_mcore(hf, SPEC, 0, 1)
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@pytest.mark.parametrize(
+    "rope", [LLAMA3_ROPE, {**LLAMA3_ROPE, "factor": 8.0, "high_freq_factor": 2.0}]
+)
+def test_rope_frequencies_equal_transformers_with_and_without_llama3_scaling(
+    rope: dict[str, float],
+) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = {**QWEN2_CONFIG, "model_type": "llama", "head_dim": 64, "rope_parameters": rope}
+    spec = ModelSpec.from_hf_config(config)
+    hf = LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, device=torch.device("cpu"))
+    assert torch.allclose(spec.rope_inv_freq(), expected.float(), rtol=1e-6, atol=0)
+    # the scaling changes the long wavelengths only
+    plain = dataclasses.replace(spec, rope_scaling=None).rope_inv_freq()
+    assert torch.equal(spec.rope_inv_freq()[:4], plain[:4])
+    assert torch.allclose(spec.rope_inv_freq()[-1], plain[-1] / rope["factor"])
+
+
+def test_llama3_rope_without_its_parameters_is_refused() -> None:
+    rope = {k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"}
+    with pytest.raises(ValueError, match="needs low_freq_factor"):
+        ModelSpec.from_hf_config({**QWEN2_CONFIG, "model_type": "llama", "rope_parameters": rope})
