@@ -11,26 +11,14 @@ import pytest
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TrajectoryPut, TransferQueue
 from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers import cli
+from relayrl_testkit.helpers.cli import assert_one_line_error
 
-BIN = Path(sys.executable).parent
 SERVICES = ["relayrl-gateway", "relayrl-reward", "relayrl-trainer", "relayrl-weightsync"]
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / args[0]), *args[1:]],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": str(BIN), **(env or {})},
-    )
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess[str], prog: str, text: str) -> None:
-    assert result.returncode == 2, result
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{prog}: ") and text in lines[0], lines
+    return cli.run(*args, env=env, timeout=60)
 
 
 @pytest.mark.parametrize("prog", SERVICES)

@@ -11,27 +11,17 @@ from pathlib import Path
 import pytest
 
 from relayrl.models.tiny import weights_checksum
+from relayrl_testkit.helpers import cli
 
 pytestmark = pytest.mark.slow
 
-BIN = Path(sys.executable).parent
-
 
 def relayrl(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "relayrl"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PATH": str(BIN)},
-    )
+    return cli.run("relayrl", *args)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None:
-    assert result.returncode == 2, result
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("relayrl model: ") and text in lines[0], lines
+    cli.assert_one_line_error(result, "relayrl model", text)
 
 
 def test_model_init_writes_a_model_and_prints_one_line(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,27 +16,16 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
 from relayrl.core.ports import free_port
 from relayrl.sim.sources import PROMETHEUS_METRIC, histogram_from_prometheus
+from relayrl_testkit.helpers import cli
 from relayrl_testkit.helpers.prometheus_server import PrometheusServer
-
-BIN = Path(sys.executable).parent
 
 
 def relayrl(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "relayrl"), "sim", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={"PATH": str(BIN)},
-        cwd=cwd,
-    )
+    return cli.run("relayrl", "sim", *args, cwd=cwd)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None:
-    assert result.returncode == 2, result
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("relayrl sim: ") and text in lines[0], lines
+    cli.assert_one_line_error(result, "relayrl sim", text)
     assert result.stdout == ""
 
 
