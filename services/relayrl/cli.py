@@ -7,6 +7,7 @@
     relayrl tq events PARTITION   the last transitions of a partition
     relayrl tq redrive PARTITION  put dead letters back into the event stream
     relayrl model init DIR        write a tiny Qwen2 model and its tokenizer, built from a seed
+    relayrl model import-gguf FILE DIR   a GGUF checkpoint as a Hugging Face model folder
     relayrl engine [MODEL]        start a vLLM engine replica with relayrl's worker extension
     relayrl sim                   simulate a rollout pipeline design (throughput, staleness)
 
@@ -46,7 +47,8 @@ def _up_config(args: argparse.Namespace):
     if args.resume is not None:
         from relayrl.up.run import load_run_config
 
-        if args.config or args.task or args.mode or args.eta is not None:
+        own = (args.config, args.task, args.mode, args.model, args.data, args.heldout)
+        if any(own) or args.eta is not None:
             raise ValueError("--resume continues a run with its own config; give only --steps")
         config = load_run_config(args.resume)
     else:
@@ -57,14 +59,20 @@ def _up_config(args: argparse.Namespace):
     data = config.model_dump(mode="json")
     flags = {"task": ("task", "name"), "mode": ("train", "mode"), "eta": ("train", "eta")}
     flags |= {"steps": ("train", "steps"), "runs_dir": ("runs_dir",)}
-    given = []
+    flags |= {"model": ("model", "path"), "data": ("data", "train_files")}
+    flags |= {"heldout": ("data", "heldout_files")}
+    if args.task is not None and args.data:
+        raise ValueError("--task and --data: the data files are the task; give one of them")
     for flag, path in flags.items():
         value = getattr(args, flag, None)
         if value is None:
             continue
-        given.append(flag)
+        if isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, list):
+            value = [str(v) for v in value]
         if len(path) == 1:
-            data[path[0]] = str(value)
+            data[path[0]] = value
         else:
             data[path[0]][path[1]] = value
     if args.mode is not None and args.eta is None and (args.resume or args.config):
@@ -85,15 +93,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         print(dump_config(config), end="")
         return 0
-    from relayrl.up.prepare import build_task
-
-    build_task(config)  # a bad task knob is a usage error, before anything starts
-    from relayrl.up.run import Run, new_run_dir
-
     # Every path a child process sees is absolute: a child runs in its own folder (Redis even
     # changes into its data dir before it opens its log), where a relative path names
     # something else.
-    config = config.model_copy(update={"runs_dir": config.runs_dir.absolute()})
+    config = _absolute_paths(config)
+    workload = _checked_workload(config)  # every usage error before anything starts
+    from relayrl.up.run import Run, new_run_dir
+
     if args.resume is not None:
         run_dir = args.resume.absolute()
         if (run_dir / "run.json").exists():
@@ -104,7 +110,40 @@ def cmd_up(args: argparse.Namespace) -> int:
                 raise ValueError(f"{run_dir} is running now (see `relayrl status {run_dir}`)")
     else:
         run_dir = new_run_dir(config.runs_dir)
-    return Run(config, run_dir, resume=args.resume is not None).main()
+    return Run(config, run_dir, resume=args.resume is not None, workload=workload).main()
+
+
+def _absolute_paths(config):
+    data = config.data
+    updates = {
+        "runs_dir": config.runs_dir.absolute(),
+        "data": data.model_copy(
+            update={
+                "train_files": [p.absolute() for p in data.train_files],
+                "heldout_files": [p.absolute() for p in data.heldout_files],
+            }
+        ),
+    }
+    if config.model.path is not None:
+        updates["model"] = config.model.model_copy(update={"path": config.model.path.absolute()})
+    return config.model_copy(update=updates)
+
+
+def _checked_workload(config):
+    """The run's workload, with the user's model checked against it: the family, the chat
+    template, and every prompt's length; ValueError (one line) for the first mistake."""
+    from relayrl.up.prepare import max_tokens
+    from relayrl.up.workload import check_model_dir, check_prompt_lengths, load_workload
+
+    if config.model.path is not None:
+        check_model_dir(config.model.path)
+    workload = load_workload(config)
+    if config.model.path is not None:
+        check_prompt_lengths(
+            workload.train + workload.heldout, config.model.path,
+            config.engine.max_model_len, max_tokens(config),
+        )  # fmt: skip
+    return workload
 
 
 def _run_alive(run_dir: Path) -> bool:
@@ -255,6 +294,19 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_import_gguf(args: argparse.Namespace) -> int:
+    from relayrl.models.gguf import GgufImportError, import_gguf
+
+    try:
+        imported = import_gguf(args.file, args.directory, dtype=args.dtype, overwrite=args.force)
+    except GgufImportError as exc:
+        raise ValueError(str(exc)) from None
+    except OSError as exc:
+        raise ValueError(f"cannot write {args.directory}: {exc.strerror or exc}") from None
+    print(f"imported {args.file}: {imported.summary()}")
+    return 0
+
+
 def _flag_error(error: ErrorDetails) -> str:
     """A validation error in the words of the command line: `--hidden-size: ...`."""
     message = error["msg"].removeprefix("Value error, ")
@@ -264,7 +316,9 @@ def _flag_error(error: ErrorDetails) -> str:
 
 
 def _add_model_parser(sub: argparse._SubParsersAction) -> None:
-    model = sub.add_parser("model", help="build the tiny model used by tests and local runs")
+    model = sub.add_parser(
+        "model", help="build the tiny model, or import a GGUF checkpoint as a Hugging Face folder"
+    )
     model_sub = model.add_subparsers(dest="model_command", required=True)
     init = model_sub.add_parser(
         "init",
@@ -283,6 +337,20 @@ def _add_model_parser(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--intermediate-size", type=int, help="MLP width (default 256)")
     init.add_argument("--force", action="store_true", help="write over a non-empty DIR")
     init.set_defaults(func=cmd_model_init)
+    imports = model_sub.add_parser(
+        "import-gguf",
+        help="write a GGUF checkpoint (llama.cpp) as a Hugging Face model folder DIR",
+        description="Dequantise a GGUF checkpoint of a family relayrl trains (llama, qwen2) "
+        "with transformers and save it as config.json, safetensors, tokenizer and chat "
+        "template: what `relayrl up --model DIR` and vLLM load.",
+    )
+    imports.add_argument("file", type=Path, metavar="FILE.gguf", help="the GGUF checkpoint")
+    imports.add_argument("directory", type=Path, metavar="DIR", help="where to write the model")
+    imports.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default="bf16", help="weights on disk (bf16)"
+    )
+    imports.add_argument("--force", action="store_true", help="write over a non-empty DIR")
+    imports.set_defaults(func=cmd_model_import_gguf)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,11 +360,33 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="run the whole system locally and train (the main job)",
         description="Start a private redis-server, the four services and a vLLM engine, "
-        "warm-start the tiny model and train it with GRPO on a built-in task; report in "
+        "and train with GRPO: the tiny model (warm-started) on a built-in task by default, or "
+        "your own model folder on your own data files or a reasoning-gym task; report in "
         "runs/<id>/report.html. Ctrl-C stops cleanly; --resume continues.",
     )
     up.add_argument("--config", type=Path, help="YAML file (relayrl up --print-config: fields)")
-    up.add_argument("--task", choices=("arith", "lookup"), help="built-in task (default arith)")
+    up.add_argument(
+        "--task",
+        metavar="NAME",
+        help="arith, lookup or reasoning_gym:<dataset> (default arith)",
+    )
+    up.add_argument(
+        "--model", type=Path, metavar="DIR", help="a Hugging Face model folder (model.path)"
+    )
+    up.add_argument(
+        "--data",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="training data, .jsonl or .parquet in verl's layout (data.train_files; repeatable)",
+    )
+    up.add_argument(
+        "--heldout",
+        type=Path,
+        action="append",
+        metavar="FILE",
+        help="held-out data (data.heldout_files; repeatable; default: a hash split of --data)",
+    )
     up.add_argument(
         "--mode",
         choices=("sync", "colocate_async", "separate_async"),

@@ -228,7 +228,24 @@ class PromptDataSettings(StrictModel):
     prompts_file: Path | None = Field(
         None,
         description="JSONL of prompts ({prompt | messages, ground_truth, data_source, agent?, "
-        "labels?}); null: someone else feeds the partition and the trainer only consumes.",
+        "labels?}); null (and no train_files): someone else feeds the partition and the "
+        "trainer only consumes.",
+    )
+    train_files: list[Path] = Field(
+        default_factory=list,
+        description="A user's dataset instead of prompts_file: .jsonl or .parquet in verl's "
+        "layout or the flat one (docs/datasets.md); the trainer feeds its training split.",
+    )
+    heldout_files: list[Path] = Field(
+        default_factory=list,
+        description="Held-out files of the dataset: prompts in them are never fed.",
+    )
+    heldout_fraction: float = Field(
+        0.1,
+        gt=0.0,
+        lt=1.0,
+        description="Without heldout_files, prompts hashing below this share are held out "
+        "(the same split `relayrl up` evaluates on).",
     )
     partition: str = Field("train", min_length=1, description="TransferQueue partition.")
     samples_per_prompt: int = Field(4, ge=1, le=1024, description="Trajectories per group.")
@@ -252,6 +269,14 @@ class PromptDataSettings(StrictModel):
         description="A step that has waited this long for scored groups fails with a clear "
         "error (rollout or reward stalled) instead of hanging.",
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptDataSettings:
+        if self.prompts_file is not None and self.train_files:
+            raise ValueError("give prompts_file or train_files, not both")
+        if self.heldout_files and not self.train_files:
+            raise ValueError("heldout_files needs train_files")
+        return self
 
 
 class CheckpointSettings(StrictModel):
@@ -382,11 +407,17 @@ class TrainerConfig(ServiceConfig):
         )
 
     def build_feeder(self, tq: TransferQueue) -> PromptFeeder | None:
-        """The prompt feeder of `data.prompts_file`; None when someone else feeds."""
-        from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, load_prompts
+        """The prompt feeder of `data.prompts_file` or of the dataset's training split; None
+        when someone else feeds."""
+        from relayrl.trainer.feeder import (
+            GroupTemplate,
+            PromptFeeder,
+            load_dataset_prompts,
+            load_prompts,
+        )
 
         data = self.data
-        if data.prompts_file is None:
+        if data.prompts_file is None and not data.train_files:
             return None
         template = GroupTemplate(
             partition=data.partition,
@@ -396,7 +427,13 @@ class TrainerConfig(ServiceConfig):
             temperature=data.sampling_temperature or self.algorithm.temperature,
             default_agent=data.agent,
         )
-        return PromptFeeder(tq, load_prompts(data.prompts_file), template, data.shuffle_seed)
+        if data.prompts_file is not None:
+            prompts = load_prompts(data.prompts_file)
+        else:
+            prompts = load_dataset_prompts(
+                data.train_files, data.heldout_files, data.heldout_fraction
+            )
+        return PromptFeeder(tq, prompts, template, data.shuffle_seed)
 
     def build_sampler(self, tq: TransferQueue) -> ReplaySampler:
         """The staleness gate over `data.partition`."""

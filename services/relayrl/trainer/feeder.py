@@ -88,6 +88,20 @@ def load_prompts(path: Path) -> list[PromptRecord]:
     return records
 
 
+def load_dataset_prompts(
+    train_files: list[Path], heldout_files: list[Path], heldout_fraction: float
+) -> list[PromptRecord]:
+    """The training split of a user's dataset (relayrl.tasks.datasets: verl or flat rows,
+    .jsonl or .parquet), held-out prompts removed as `relayrl up` removes them."""
+    from relayrl.tasks.datasets import DatasetError, load_dataset
+
+    try:
+        dataset = load_dataset(train_files, heldout_files, heldout_fraction=heldout_fraction)
+    except DatasetError as exc:
+        raise PromptFileError(str(exc)) from None
+    return [_record(raw, f"{raw['data_source']} prompt") for raw in dataset.train]
+
+
 class PromptOrder:
     """The n-th prompt to issue: epoch n // N, position from that epoch's seeded permutation."""
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from relayrl.core.config import StrictModel, deep_merge  # noqa: F401 (deep_merge: its old home)
 from relayrl.models.config import TinyModelConfig
 
 Mode = Literal["sync", "colocate_async", "separate_async"]
-TaskName = Literal["arith", "lookup"]
+BUILTIN_TASKS = ("arith", "lookup")
+REASONING_GYM_PREFIX = "reasoning_gym:"
+DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$"
 Transport = Literal["grpc", "torch_distributed", "mooncake"]
 
 # eta when the mode is given and eta is not.
@@ -29,11 +31,16 @@ DEFAULT_ETA: dict[str, int] = {"sync": 0, "colocate_async": 1, "separate_async":
 class TaskSection(StrictModel):
     """The built-in task (`relayrl.tasks`) and how much of it to use."""
 
-    name: TaskName = Field("arith", description="arith (single turn) or lookup (tool calls).")
+    name: str = Field(
+        "arith",
+        description="arith (single turn), lookup (tool calls), or reasoning_gym:<dataset> (a "
+        "procedural task of the reasoning-gym package, e.g. reasoning_gym:leg_counting). "
+        "Not used when data.train_files is set: the files are the task.",
+    )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Difficulty knobs of the task (fields of ArithTask / LookupTask, e.g. "
-        "{max_digits: 1} for arith).",
+        description="Knobs of the task: fields of ArithTask / LookupTask (e.g. {max_digits: 1} "
+        "for arith), or the reasoning-gym dataset's own config fields.",
     )
     train_prompts: int = Field(
         4000, ge=1, le=1_000_000, description="Distinct training questions (prompts.jsonl)."
@@ -46,12 +53,94 @@ class TaskSection(StrictModel):
     )
     seed: int = Field(0, ge=0, description="Seed of the drawn questions.")
 
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        dataset = name.removeprefix(REASONING_GYM_PREFIX)
+        if name in BUILTIN_TASKS or (name.startswith(REASONING_GYM_PREFIX) and dataset):
+            return name
+        raise ValueError(
+            f"unknown task {name!r}: use {', '.join(BUILTIN_TASKS)} or "
+            f"{REASONING_GYM_PREFIX}<dataset>"
+        )
+
+    @property
+    def reasoning_gym_dataset(self) -> str | None:
+        """The reasoning-gym dataset name of a `reasoning_gym:` task, else None."""
+        if self.name.startswith(REASONING_GYM_PREFIX):
+            return self.name.removeprefix(REASONING_GYM_PREFIX)
+        return None
+
+
+class ModelSection(TinyModelConfig):
+    """The policy: a local Hugging Face model folder (`path`), or else the tiny Qwen2 that the
+    other fields describe, built from its seed."""
+
+    path: Path | None = Field(
+        None,
+        description="A Hugging Face model folder (config.json, safetensors, tokenizer with a "
+        "chat template): Qwen2/Qwen2.5, Llama (also Llama-3 rope scaling), SmolLM2, Qwen3. "
+        "`relayrl model import-gguf` makes one from a GGUF file. null: the tiny Qwen2.",
+    )
+
+
+class DataSection(StrictModel):
+    """A user's own RL dataset (relayrl.tasks.datasets): .jsonl or .parquet files in verl's
+    layout (data_source, prompt messages, reward_model.ground_truth) or a flat one (prompt,
+    ground_truth, data_source). When set, the files are the task."""
+
+    train_files: list[Path] = Field(default_factory=list, description="Training files.")
+    heldout_files: list[Path] = Field(
+        default_factory=list,
+        description="Held-out files; none: rows whose prompt hashes below heldout_fraction "
+        "are held out (never trained on).",
+    )
+    heldout_fraction: float = Field(
+        0.1, gt=0.0, lt=1.0, description="Share held out when no held-out files are given."
+    )
+    max_heldout: int = Field(
+        400, ge=1, le=1_000_000, description="Held-out prompts evaluated (the first ones)."
+    )
+
+    @model_validator(mode="after")
+    def _train_files_first(self) -> DataSection:
+        if self.heldout_files and not self.train_files:
+            raise ValueError("heldout_files needs train_files")
+        return self
+
+
+class RewardSection(StrictModel):
+    """Rewards: by data_source through the reward-service's rule scorers (gsm8k, math, arith,
+    ...) and reasoning-gym checkers; `function` adds a user's own scoring function."""
+
+    function: str | None = Field(
+        None,
+        pattern=DOTTED_PATH,
+        description="`package.module:function` scoring one RewardItem (a float, or a Verdict), "
+        "importable in the reward-service's environment (relayrl.reward.managers.custom).",
+    )
+    data_sources: list[str] = Field(
+        default_factory=list,
+        description="data_source values `function` scores; empty: all of them.",
+    )
+
+    @model_validator(mode="after")
+    def _sources_need_function(self) -> RewardSection:
+        if self.data_sources and self.function is None:
+            raise ValueError("data_sources needs a function")
+        return self
+
 
 class WarmStartSection(StrictModel):
     """Supervised warm start (`relayrl-trainer sft`): teaches the answer format so GRPO sees a
     reward from its first step. Cached by its inputs under `<runs>/cache/`."""
 
-    enabled: bool = Field(True, description="false: GRPO starts from the random model.")
+    enabled: bool | None = Field(
+        None,
+        description="false: GRPO starts from the model as it is; null: on for the tiny model "
+        "with a built-in task, off otherwise (a pretrained model needs none; only built-in "
+        "tasks have SFT examples).",
+    )
     examples: int = Field(4000, ge=1, le=1_000_000, description="SFT examples drawn.")
     epochs: int = Field(
         20, ge=1, le=1000, description="Passes over the examples (at most, with a target)."
@@ -191,9 +280,11 @@ class ServicesSection(StrictModel):
 class UpConfig(StrictModel):
     runs_dir: Path = Field(Path("runs"), description="Where runs/<id>/ and the model cache live.")
     task: TaskSection = Field(default_factory=TaskSection, description="What to train on.")
-    model: TinyModelConfig = Field(
-        default_factory=TinyModelConfig, description="The tiny Qwen2 built when absent."
+    model: ModelSection = Field(
+        default_factory=ModelSection, description="The policy: a folder, or the tiny Qwen2."
     )
+    data: DataSection = Field(default_factory=DataSection, description="A user's dataset.")
+    reward: RewardSection = Field(default_factory=RewardSection, description="Rewards.")
     warm_start: WarmStartSection = Field(default_factory=WarmStartSection, description="SFT.")
     train: TrainSection = Field(default_factory=TrainSection, description="GRPO.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out accuracy.")
@@ -207,6 +298,29 @@ class UpConfig(StrictModel):
     services: ServicesSection = Field(
         default_factory=ServicesSection, description="Pass-through service fields."
     )
+
+    @property
+    def task_label(self) -> str:
+        """What the run trains on, in a word: the task's name, or `dataset`."""
+        return "dataset" if self.data.train_files else self.task.name
+
+    @property
+    def warm_start_enabled(self) -> bool:
+        enabled = self.warm_start.enabled
+        return (
+            self.model.path is None and self.task_label in BUILTIN_TASKS
+            if enabled is None
+            else enabled
+        )
+
+    @model_validator(mode="after")
+    def _warm_start_has_examples(self) -> UpConfig:
+        if self.warm_start.enabled and self.task_label not in BUILTIN_TASKS:
+            raise ValueError(
+                f"warm_start.enabled: only the built-in tasks ({', '.join(BUILTIN_TASKS)}) have "
+                f"SFT examples, not {self.task_label}; leave it null or false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _services_compose(self) -> UpConfig:

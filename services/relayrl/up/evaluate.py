@@ -2,8 +2,8 @@
 
 Each held-out question is rolled out with the gateway's own agent loop for the task (the same
 prompt rendering, tool calls and turn budget as training), greedily (temperature 0), and scored
-by the reward-service's rule for the task (`relayrl.tasks.score`). Optionally a second pass
-samples at the training temperature. Requests go straight to the engine, alongside the
+by the reward-service's scorer for its data_source (`relayrl.up.workload.Judge`). Optionally a
+second pass samples at the training temperature. Requests go straight to the engine, alongside the
 gateway's rollouts; the record names the weight version at the start and at the end, so an
 evaluation that straddles a weight switch is visible as such.
 """
@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from relayrl.tasks import Task, score
+from relayrl.up.workload import Judge
 
 MAX_CONCURRENT = 64
 
@@ -38,7 +38,7 @@ class EvalRecord:
 class Evaluator:
     def __init__(
         self,
-        task: Task,
+        judge: Judge,
         heldout_file: Path,
         tokenizer_dir: Path,
         *,
@@ -52,7 +52,7 @@ class Evaluator:
         from relayrl.conversation.tools import ToolTable
         from relayrl.trainer.feeder import load_prompts
 
-        self.task = task
+        self.judge = judge
         self.records = load_prompts(heldout_file)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.tools = ToolTable()
@@ -122,7 +122,10 @@ class Evaluator:
                 rollout = await loops[record.agent or "single_turn"].run(
                     group, ClientSession(client, group.uid), context
                 )
-            return score(self.task, rollout.response_text, record.ground_truth)
+            return await asyncio.to_thread(
+                self.judge.correct, record.data_source, rollout.response_text,
+                record.ground_truth,
+            )  # fmt: skip
 
         # A TaskGroup: one failure (an engine going away) cancels the rest at once.
         async with asyncio.TaskGroup() as group:

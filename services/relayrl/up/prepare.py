@@ -1,5 +1,6 @@
-"""Everything a run needs before any service starts: the task's data files, the tiny model and
-its supervised warm start.
+"""Everything a run needs before any service starts: the workload's data files, the model
+(the user's folder, or the tiny model built from its seed) and the tiny model's supervised warm
+start.
 
 The model and the warm start are cached under `<runs>/cache/` by a digest of everything that
 decides them (sizes and seeds; task, knobs and SFT settings), so a second run, or a test,
@@ -9,7 +10,6 @@ renamed into place, so an interrupted build never leaves a half-written model be
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -21,10 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from relayrl.tasks import TASKS, Task, write_jsonl
+from relayrl.tasks import Task, write_jsonl
 from relayrl.up.config import UpConfig
+
+if TYPE_CHECKING:
+    from relayrl.up.workload import Workload
 
 logger = logging.getLogger(__name__)
 
@@ -34,30 +37,18 @@ TASK_DEFAULTS: dict[str, dict[str, int]] = {
     "arith": {"max_tokens": 24, "sft_max_seq_len": 128},
     "lookup": {"max_tokens": 128, "sft_max_seq_len": 1024},
 }
+# The response budget of a dataset or a reasoning-gym task when train.max_tokens is 0.
+DEFAULT_MAX_TOKENS = 256
 
 
 class PrepareError(RuntimeError):
     """A step before training failed; the message says which and where its log is."""
 
 
-def build_task(config: UpConfig) -> Task:
-    """The task with the configured knobs; ValueError (one line) for a bad knob."""
-    base = TASKS[config.task.name]
-    known = {f.name for f in dataclasses.fields(base)}
-    unknown = sorted(set(config.task.options) - known)
-    if unknown:
-        raise ValueError(
-            f"task.options: unknown knob(s) {', '.join(unknown)} for {base.name} "
-            f"(known: {', '.join(sorted(known))})"
-        )
-    try:
-        return dataclasses.replace(base, **config.task.options)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"task.options: {exc}") from None
-
-
 def max_tokens(config: UpConfig) -> int:
-    return config.train.max_tokens or TASK_DEFAULTS[config.task.name]["max_tokens"]
+    """The response token budget: train.max_tokens, else the task's default."""
+    default = TASK_DEFAULTS.get(config.task_label, {}).get("max_tokens", DEFAULT_MAX_TOKENS)
+    return config.train.max_tokens or default
 
 
 def sft_micro_batch_size(config: UpConfig) -> int:
@@ -83,17 +74,18 @@ class RunFiles:
         return cls(*(data_dir / f"{name}.jsonl" for name in names))
 
 
-def write_task_files(task: Task, config: UpConfig, data_dir: Path) -> RunFiles:
-    """prompts.jsonl (training), heldout.jsonl (evaluation), sft.jsonl (warm start) and
-    sft_eval.jsonl (training questions held aside from the warm start, for its target). The
-    split is by question, so no held-out question is ever a prompt or an SFT example."""
+def write_task_files(workload: Workload, config: UpConfig, data_dir: Path) -> RunFiles:
+    """prompts.jsonl (training), heldout.jsonl (evaluation), and for a built-in task sft.jsonl
+    (warm start) and sft_eval.jsonl (training questions held aside from the warm start, for its
+    target; both empty otherwise). Every split is by question or prompt, so no held-out
+    question is ever a prompt or an SFT example."""
     files = RunFiles.in_dir(data_dir)
-    seed, ws = config.task.seed, config.warm_start
-    write_jsonl(task.prompts("train", config.task.train_prompts, seed), files.prompts)
-    write_jsonl(task.prompts("heldout", config.task.heldout_prompts, seed), files.heldout)
-    sft = task.sft_examples(ws.examples, ws.seed)
+    write_jsonl(workload.train, files.prompts)
+    write_jsonl(workload.heldout, files.heldout)
+    task, ws = workload.task, config.warm_start
+    sft = task.sft_examples(ws.examples, ws.seed) if task and config.warm_start_enabled else []
     write_jsonl(sft, files.sft)
-    write_jsonl(_held_aside(task, sft, ws.eval_examples, ws.seed), files.sft_eval)
+    write_jsonl(_held_aside(task, sft, ws.eval_examples, ws.seed) if sft else [], files.sft_eval)
     return files
 
 
@@ -174,11 +166,16 @@ def _cached(path: Path, build: Callable[[Path], None]) -> Path:
 
 
 def base_model(config: UpConfig, say: Callable[[str], None]) -> Path:
-    """The tiny model (random weights from its seed) and tokenizer, built once per config."""
+    """The user's model folder, or the tiny model (random weights from its seed) and its
+    tokenizer, built once per config."""
     from relayrl.models.tiny import init_model
 
     model = config.model
-    path = config.runs_dir / "cache" / f"model-{digest(model.model_dump(mode='json'))}"
+    if model.path is not None:
+        say(f"model: {model.path}")
+        return model.path
+    sizes = model.model_dump(mode="json", exclude={"path"})
+    path = config.runs_dir / "cache" / f"model-{digest(sizes)}"
     if path.exists():
         say(f"model: {path} (cached)")
         return path
@@ -194,7 +191,7 @@ def warm_start(
     config: UpConfig, model_dir: Path, files: RunFiles, log_path: Path, say: Callable[[str], None]
 ) -> Path:
     """`relayrl-trainer sft` on the task's examples, once per (model, task, settings)."""
-    if not config.warm_start.enabled:
+    if not config.warm_start_enabled:
         return model_dir
     ws = config.warm_start
     key = digest(

@@ -165,6 +165,7 @@ class KeyNumbers:
 
     num_steps: int = 0
     duration_s: float | None = None
+    start_label: str = "warm start"  # what version 0 is: the warm start, or the given model
     warm_start_accuracy: float | None = None
     warm_start_sampled_accuracy: float | None = None
     final_accuracy: float | None = None
@@ -280,6 +281,12 @@ def _duration_s(run: dict[str, Any]) -> float | None:
     return finished - started
 
 
+def start_label(run: dict[str, Any]) -> str:
+    """Version 0 of a run: its warm start, or the model it was given (run.json `warm_started`,
+    absent in runs from before it existed, which all warm-started)."""
+    return "warm start" if run.get("warm_started", True) else "start"
+
+
 def key_numbers(inputs: RunInputs) -> KeyNumbers:
     steps = inputs.steps
     rewards = [v for r in steps if (v := _number(r.get("reward_mean"))) is not None]
@@ -293,6 +300,7 @@ def key_numbers(inputs: RunInputs) -> KeyNumbers:
     return KeyNumbers(
         num_steps=len(steps),
         duration_s=_duration_s(inputs.run),
+        start_label=start_label(inputs.run),
         **_evals(inputs.evals),
         num_reward_steps_averaged=k,
         reward_first=statistics.fmean(rewards[:k]) if rewards else None,
@@ -397,11 +405,11 @@ def _accuracy_clause(n: KeyNumbers) -> str | None:
     if n.warm_start_accuracy is not None and n.final_accuracy is not None:
         gain = n.accuracy_gain_points or 0.0
         return (
-            f"held-out accuracy went from {_percent(n.warm_start_accuracy)} (warm start) to "
+            f"held-out accuracy went from {_percent(n.warm_start_accuracy)} ({n.start_label}) to "
             f"{_percent(n.final_accuracy)} ({final_label}{gain:+.1f} points, {sample})"
         )
     if n.warm_start_accuracy is not None:
-        return f"held-out accuracy {_percent(n.warm_start_accuracy)} at warm start ({sample})"
+        return f"held-out accuracy {_percent(n.warm_start_accuracy)} at {n.start_label} ({sample})"
     if n.final_accuracy is not None:
         return f"held-out accuracy {_percent(n.final_accuracy)} ({final_label}{sample})"
     return None
@@ -475,7 +483,7 @@ def table_rows(report: Report) -> list[tuple[str, str]]:
     k = f" ({n.num_reward_steps_averaged})" if n.num_reward_steps_averaged else ""
     return [
         (
-            "Held-out accuracy, warm start (greedy)",
+            f"Held-out accuracy, {n.start_label} (greedy)",
             accuracy(n.warm_start_accuracy, n.warm_start_sampled_accuracy, ""),
         ),
         (
@@ -613,7 +621,8 @@ def plot_reward_accuracy(fig: Figure, inputs: RunInputs) -> bool:
                 marker=".",
                 label="held-out accuracy (sampled)",
             )
-        for kind, marker, label in (("warm_start", "*", "warm start"), ("final", "s", "final")):
+        first = start_label(inputs.run)
+        for kind, marker, label in (("warm_start", "*", first), ("final", "s", "final")):
             for marked in (e for e in evals if e.get("kind") == kind):
                 point = (marked["step"], marked["accuracy"] * 100)
                 bottom.plot(*point, marker=marker, markersize=12, color="tab:red", linestyle="none")

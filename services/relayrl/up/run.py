@@ -29,16 +29,10 @@ import yaml
 
 from relayrl.up.config import UpConfig
 from relayrl.up.evaluate import EvalRecord, Evaluator, append_record, read_records
-from relayrl.up.prepare import (
-    RunFiles,
-    base_model,
-    build_task,
-    max_tokens,
-    warm_start,
-    write_task_files,
-)
+from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
 from relayrl.up.progress import Progress
 from relayrl.up.stack import ORDER, ChildStartError, Event, Stack
+from relayrl.up.workload import Workload, load_workload
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +88,11 @@ class Run:
         run_dir: Path,
         *,
         resume: bool = False,
+        workload: Workload | None = None,
         say: Callable[[str], None] = print,
     ) -> None:
         self.config = config
+        self.workload = workload
         self.run_dir = run_dir
         self.resume = resume
         self.say = say
@@ -156,18 +152,19 @@ class Run:
             )
             self._update_state(
                 run_id=self.run_dir.name,
-                task=c.task.name,
+                task=c.task_label,
                 mode=c.train.mode,
                 eta=c.train.effective_eta,
                 steps=c.train.steps,
+                warm_started=c.warm_start_enabled,
                 started=started,
                 finished=None,
                 state="preparing",
             )
-        task = build_task(c)
+        workload = self.workload or load_workload(c)
         files = RunFiles.in_dir(self.run_dir / "data")
         if not (self.resume and files.prompts.exists()):
-            files = write_task_files(task, c, self.run_dir / "data")
+            files = write_task_files(workload, c, self.run_dir / "data")
         model = base_model(c, self.say)
         warm = warm_start(c, model, files, self.run_dir / "logs" / "sft.log", self.say)
         self._update_state(model_dir=str(model), warm_start_dir=str(warm))
@@ -177,7 +174,7 @@ class Run:
         self.stack.build()
         self.stack.start(ORDER[:-1], say=self.say)
         self.evaluator = Evaluator(
-            task,
+            workload.judge,
             files.heldout,
             warm,
             max_tokens=max_tokens(c),
@@ -248,8 +245,11 @@ class Run:
             if record.sampled_accuracy is not None
             else ""
         )
+        label = kind.replace("_", " ")
+        if kind == "warm_start" and not self.config.warm_start_enabled:
+            label = "start"  # version 0 is the model as given
         self.say(
-            f"  held-out accuracy ({kind.replace('_', ' ')}, version {record.version}): "
+            f"  held-out accuracy ({label}, version {record.version}): "
             f"{record.accuracy:.1%} greedy{sampled} on {record.n} questions "
             f"({record.seconds:.0f} s)"
         )

@@ -26,6 +26,7 @@ import abc
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -157,9 +158,17 @@ class RedisChild(Child):
 
 
 class ServiceChild(Child):
-    def __init__(self, name: str, command: str, config: dict[str, Any], workdir: Path, log: Path):
+    def __init__(
+        self,
+        name: str,
+        command: str,
+        config: dict[str, Any],
+        workdir: Path,
+        log: Path,
+        env: dict[str, str] | None = None,
+    ):
         self.name = name
-        self.process = ServiceProcess(command, config, workdir, log_path=log)
+        self.process = ServiceProcess(command, config, workdir, log_path=log, env=env)
         self.config = config
 
     def start(self, timeout_s: float) -> None:
@@ -297,6 +306,14 @@ class Stack:
         stack = self.stack_config()
         return {name: stack.service_file(name) for name in SERVICES}
 
+    def _env(self, service: str) -> dict[str, str] | None:
+        """The reward-service imports a user's reward function from where `relayrl up` was
+        started, as `relayrl up` itself did when it checked it."""
+        if service != "reward" or self.config.reward.function is None:
+            return None
+        paths = [str(Path.cwd()), *filter(None, [os.environ.get("PYTHONPATH")])]
+        return {"PYTHONPATH": os.pathsep.join(paths)}
+
     def engine_config(self) -> EngineConfig:
         e = self.config.engine
         return EngineConfig(
@@ -318,8 +335,9 @@ class Stack:
         configs = self.service_configs()
         for name in SERVICES:
             self.children[name] = ServiceChild(
-                name, f"relayrl-{name}", configs[name], d / "services" / name, logs / f"{name}.log"
-            )
+                name, f"relayrl-{name}", configs[name], d / "services" / name,
+                logs / f"{name}.log", env=self._env(name),
+            )  # fmt: skip
         self.children["engine-0"] = EngineChild(
             "engine-0", self.engine_config(), d / "services" / "engine-0", logs / "engine-0.log"
         )

@@ -56,7 +56,7 @@ def up_own_settings(
     """What each service of a local run sets for itself (nothing another service reads)."""
     train = config.train
     return {
-        "reward": {"tq_scorer": {"reclaim_idle_s": 10}},
+        "reward": up_reward_settings(config),
         "gateway": {
             "engines": {"health_interval_s": 1.0},
             "rollout": {"lease_s": 20.0, "claimer": "gateway-0"},
@@ -72,7 +72,7 @@ def up_own_settings(
             "state_dir": str(run_dir / "weightsync" / "state"),
         },
         "trainer": {
-            "model": {"seed": train.seed, "max_seq_len": 1024},
+            "model": {"seed": train.seed, "max_seq_len": config.engine.max_model_len},
             "optim": {"lr": train.lr, "schedule": train.lr_schedule, "min_lr": train.min_lr},
             "algorithm": {
                 "mini_batch_groups": train.batch_groups,
@@ -96,6 +96,36 @@ def up_own_settings(
             "total_steps": train.steps,
             "metrics_log": str(run_dir / "trainer" / "steps.jsonl"),
         },
+    }
+
+
+USER_MANAGER = "user"
+REASONING_GYM_MANAGER = "reasoning_gym"
+
+
+def up_reward_settings(config: UpConfig) -> dict[str, Any]:
+    """The reward-service's managers: the rule scorers (the default), the reasoning-gym
+    checker for a reasoning_gym task, and the user's function for its data sources."""
+    from relayrl.reward.config import RewardConfig
+
+    managers: dict[str, Any] = {}
+    by_source: dict[str, str] = {}
+    scorer: dict[str, Any] = {"reclaim_idle_s": 10}
+    if config.task.reasoning_gym_dataset is not None and not config.data.train_files:
+        managers[REASONING_GYM_MANAGER] = {"type": "reasoning_gym"}
+        by_source[config.task.name] = REASONING_GYM_MANAGER
+    reward = config.reward
+    if reward.function is not None:
+        managers[USER_MANAGER] = {"type": "custom", "path": reward.function}
+        by_source |= {source: USER_MANAGER for source in reward.data_sources}
+        if not reward.data_sources:
+            scorer["manager"] = USER_MANAGER
+    if not managers:
+        return {"tq_scorer": scorer}
+    defaults = RewardConfig.model_fields["managers"].default_factory()
+    return {
+        "managers": {name: m.model_dump(mode="json") for name, m in defaults.items()} | managers,
+        "tq_scorer": scorer | {"managers_by_data_source": by_source},
     }
 
 

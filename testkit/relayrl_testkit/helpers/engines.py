@@ -60,7 +60,9 @@ async def _read_state(client: VllmEngineClient) -> EngineState:
     return EngineState(await client.weight_version(), info["digest"], await client.is_paused())
 
 
-def _call(engine: EngineProcess, scenario: Any) -> Any:
+def engine_call(engine: EngineProcess, scenario: Any) -> Any:
+    """`await scenario(client)` with a fresh client of `engine`, from synchronous code."""
+
     async def main() -> Any:
         client = VllmEngineClient(engine.url, control_timeout_s=120)
         try:
@@ -69,6 +71,25 @@ def _call(engine: EngineProcess, scenario: Any) -> Any:
             await client.close()
 
     return asyncio.run(main())
+
+
+def engine_digest(engine: EngineProcess) -> str:
+    """The worker extension's checksum over the engine's parameters."""
+
+    async def scenario(client: VllmEngineClient) -> str:
+        (info,) = await client.worker_rpc("relayrl_weight_info", {})
+        return info["digest"]
+
+    return engine_call(engine, scenario)
+
+
+def load_file_into(engine: EngineProcess, path: Path) -> None:
+    """Loads a safetensors file into the engine by the worker extension's file path."""
+
+    async def scenario(client: VllmEngineClient) -> None:
+        await client.worker_rpc("relayrl_load_tensors", {"path": str(path)})
+
+    engine_call(engine, scenario)
 
 
 def _busy(engine: EngineProcess) -> float:
@@ -108,7 +129,7 @@ class SharedEngine:
             except BaseException:
                 self.stop()
                 raise
-            self._initial = _call(self._engine, _read_state)
+            self._initial = engine_call(self._engine, _read_state)
         return self._engine
 
     def restore(self, idle_timeout_s: float = 120.0) -> list[str]:
@@ -117,7 +138,7 @@ class SharedEngine:
         engine, initial = self._engine, self._initial
         if engine is None or initial is None:
             return []
-        if not (engine.alive() and _call(engine, lambda client: client.health())):
+        if not (engine.alive() and engine_call(engine, lambda client: client.health())):
             self.stop()  # the next lease starts a fresh one
             return ["the shared engine was killed or stopped answering: use a private engine"]
 
@@ -133,7 +154,7 @@ class SharedEngine:
                 await client.set_weight_version(initial.weight_version)
             return await _read_state(client)
 
-        now = _call(engine, put_back)
+        now = engine_call(engine, put_back)
         problems = []
         if now.digest != initial.digest:
             problems.append(
@@ -145,7 +166,7 @@ class SharedEngine:
         if problems or _busy(engine) > 0:
             self.stop()  # the next lease starts a fresh one
         else:
-            _call(engine, lambda client: client.reset_prefix_cache())
+            engine_call(engine, lambda client: client.reset_prefix_cache())
         return problems
 
     def stop(self) -> None:

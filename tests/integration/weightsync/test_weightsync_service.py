@@ -8,7 +8,6 @@ bucket and the plan has many buckets."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import subprocess
@@ -32,6 +31,7 @@ from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.sender import PublishError, WeightSyncSender, export_tensors
 from relayrl_testkit.emulator_launcher import start_emulator
+from relayrl_testkit.helpers.engines import engine_call, engine_digest, load_file_into
 from relayrl_testkit.helpers.mooncake import mooncake_unavailable
 
 pytestmark = pytest.mark.slow
@@ -62,38 +62,12 @@ def perturbed(model_dir: Path, scale: float, seed: int) -> dict[str, torch.Tenso
     }
 
 
-def engine_call(engine: EngineProcess, scenario):  # type: ignore[no-untyped-def]
-    async def main():  # type: ignore[no-untyped-def]
-        client = VllmEngineClient(engine.url, control_timeout_s=120)
-        try:
-            return await scenario(client)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
-
-
 def generate(engine: EngineProcess) -> list[int]:
     async def scenario(client: VllmEngineClient) -> list[int]:
         request = GenerateRequest(f"t-{uuid.uuid4().hex[:8]}", PROMPT, GREEDY)
         return list((await client.generate(request)).token_ids)
 
     return engine_call(engine, scenario)
-
-
-def engine_digest(engine: EngineProcess) -> str:
-    async def scenario(client: VllmEngineClient) -> str:
-        (info,) = await client.worker_rpc("relayrl_weight_info", {})
-        return info["digest"]
-
-    return engine_call(engine, scenario)
-
-
-def load_file_into(engine: EngineProcess, path: Path) -> None:
-    async def scenario(client: VllmEngineClient) -> None:
-        await client.worker_rpc("relayrl_load_tensors", {"path": str(path)})
-
-    engine_call(engine, scenario)
 
 
 def transformers_greedy(model_dir: Path, weights: dict[str, torch.Tensor]) -> list[int]:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from relayrl.cli import main
 from relayrl.core.config import load_config
 from relayrl.up.config import UpConfig
-from relayrl.up.prepare import build_task
+from relayrl.up.workload import build_task
 
 EXAMPLE = Path(__file__).parents[3] / "deploy" / "config" / "up.example.yaml"
 

@@ -17,6 +17,7 @@ from relayrl.reward.managers.custom import CustomConfig
 from relayrl.reward.managers.gdpo import GdpoConfig
 from relayrl.reward.managers.judge import DisRMConfig, GenRMConfig, RemoteConfig
 from relayrl.reward.managers.naive import NaiveConfig
+from relayrl.reward.managers.reasoning_gym import ReasoningGymConfig
 from relayrl.reward.managers.sandbox import SandboxConfig
 from relayrl.reward.managers.wrappers import DapoConfig, RateLimitedConfig
 
@@ -32,6 +33,7 @@ ManagerConfig = Annotated[
     | DapoConfig
     | GdpoConfig
     | SandboxConfig
+    | ReasoningGymConfig
     | CustomConfig,
     Field(discriminator="type"),
 ]
@@ -45,6 +47,7 @@ MANAGER_TYPES: tuple[str, ...] = (
     "dapo",
     "gdpo",
     "sandbox",
+    "reasoning_gym",
     "custom",
 )
 

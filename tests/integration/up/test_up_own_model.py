@@ -1,0 +1,216 @@
+"""`relayrl up` on a user's own model and data, as a user runs it: SmolLM2-135M-Instruct (a real
+pretrained model, imported from its GGUF file) trained for a few GRPO steps on a verl-format
+dataset the test writes, through the real stack (redis-server, the four services, a vLLM
+engine); then a reasoning-gym task on the tiny model. And every input mistake is one line and
+exit code 2 before anything starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relayrl_testkit.helpers import cli
+from relayrl_testkit.helpers.real_model import smollm2_dir
+from relayrl_testkit.helpers.up import (
+    UpProcess,
+    audit_queue,
+    check_exactly_once,
+    processes_of,
+    sharing_cache,
+    steps_logged,
+)
+
+pytestmark = pytest.mark.slow
+
+# Small enough for SmolLM2 on two shared cores: one trainer step is a few seconds.
+OWN_MODEL_RUN = {
+    "train": {
+        "steps": 2,
+        "batch_groups": 1,
+        "samples_per_prompt": 2,
+        "max_tokens": 24,
+        "micro_batch_size": 2,
+        "checkpoint_interval_steps": 1,
+        "lr": 1e-5,
+        "min_lr": 1e-6,
+    },
+    "data": {"max_heldout": 4},
+    "eval": {"interval_steps": 0, "sampled": False},
+    "engine": {"max_model_len": 512, "max_num_seqs": 8},
+    "services": {"trainer": {"algorithm": {"dapo_filter": False}}},
+}
+
+
+def verl_rows(n: int) -> list[dict]:
+    """GSM8K-style rows in verl's layout, scored by the reward-service's gsm8k rule."""
+    rows = []
+    for i in range(n):
+        a, b = 10 + i, 3 + 2 * i
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f"Tom has {a} apples and buys {b} more. How many apples "
+                        "does he have? End with '#### <number>'.",
+                    }
+                ],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i},
+            }
+        )
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return smollm2_dir("fp32")
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
+    return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
+
+
+def finished_run(up: UpProcess, timeout_s: float) -> tuple[Path, str]:
+    try:
+        assert up.wait(timeout_s) == 0, up.output()
+        return up.run_dir, up.output()
+    finally:
+        up.stop()
+
+
+def check_run(run_dir: Path, output: str, label: str, steps: int, heldout: int) -> None:
+    """Versions committed in order, held-out evaluation before and after, the report written,
+    every trained group consumed exactly once, nothing left running."""
+    assert f"trained {label} for {steps} steps" in output, output
+    assert "Traceback" not in output
+    transfers = [
+        json.loads(line)
+        for line in (run_dir / "weightsync" / "transfers.jsonl").read_text().splitlines()
+    ]
+    committed = [t["version"] for t in transfers if t["state"] == "committed"]
+    assert committed == list(range(1, steps + 1)), transfers
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in evals] == ["warm_start", "final"]
+    assert all(e["n"] == heldout for e in evals)
+    assert evals[-1]["version"] == steps
+    assert (run_dir / "report.html").stat().st_size > 0
+    assert {r["step"] for r in steps_logged(run_dir)} == set(range(steps))  # 0-based
+    audit = audit_queue(run_dir)
+    check_exactly_once(run_dir, audit)
+    assert audit.statuses["GROUP_STATUS_FAILED"] == 0, audit.statuses
+    assert processes_of(run_dir) == []
+
+
+@pytest.mark.timeout(1200)
+def test_a_real_pretrained_model_trains_on_a_verl_dataset(
+    runs_dir: Path, smollm2: Path, tmp_path: Path
+) -> None:
+    rows = verl_rows(44)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    held = write_jsonl(tmp_path / "heldout.jsonl", rows[-4:])  # also in --data: never trained
+    up = UpProcess.start(
+        runs_dir, OWN_MODEL_RUN, "--model", str(smollm2), "--data", str(data),
+        "--heldout", str(held),
+    )  # fmt: skip
+    run_dir, output = finished_run(up, 1100)
+    check_run(run_dir, output, "dataset", steps=2, heldout=4)
+    assert f"model: {smollm2}" in output
+    assert "warm start" not in output  # a pretrained model starts from itself
+    assert "held-out accuracy (start, version 0)" in output
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["model"]["path"] == str(smollm2)
+    assert config["data"]["train_files"] == [str(data)]
+    assert config["data"]["heldout_files"] == [str(held)]
+    # the prompts the trainer read are the dataset's training rows, never a held-out one
+    prompts = (run_dir / "data" / "prompts.jsonl").read_text().splitlines()
+    heldout = (run_dir / "data" / "heldout.jsonl").read_text().splitlines()
+    assert (len(prompts), len(heldout)) == (40, 4)
+    trained = {json.dumps(json.loads(p)["messages"]) for p in prompts}
+    assert trained.isdisjoint(json.dumps(json.loads(h)["messages"]) for h in heldout)
+
+
+@pytest.mark.timeout(900)
+def test_a_reasoning_gym_task_runs_through_the_stack(runs_dir: Path) -> None:
+    config = {
+        "task": {"train_prompts": 40, "heldout_prompts": 10},
+        "train": {
+            "steps": 2, "batch_groups": 2, "samples_per_prompt": 2, "max_tokens": 16,
+            "checkpoint_interval_steps": 1,
+        },
+        "eval": {"interval_steps": 0, "sampled": False},
+        "engine": {"max_num_seqs": 16},
+        "services": {"trainer": {"algorithm": {"dapo_filter": False}}},
+    }  # fmt: skip
+    up = UpProcess.start(runs_dir, config, "--task", "reasoning_gym:leg_counting")
+    run_dir, output = finished_run(up, 800)
+    check_run(run_dir, output, "reasoning_gym:leg_counting", steps=2, heldout=10)
+    reward_file = run_dir / "services" / "reward" / "relayrl-reward.yaml"
+    reward_config = yaml.safe_load(reward_file.read_text())
+    assert reward_config["managers"]["reasoning_gym"]["type"] == "reasoning_gym"
+
+
+# -- mistakes: one line, exit 2, nothing started -------------------------------------------------
+
+
+def up_refuses(runs_dir: Path, *args: str | Path, text: str) -> None:
+    result = cli.run("relayrl", "up", "--runs-dir", runs_dir, *args, timeout=300)
+    cli.assert_one_line_error(result, "relayrl up", text)
+    assert not any(runs_dir.glob("r-*")), "a run folder was made"
+
+
+def model_without_chat_template(smollm2: Path, path: Path) -> Path:
+    path.mkdir()
+    for item in smollm2.iterdir():
+        if item.name == "chat_template.jinja":
+            continue
+        if item.name == "tokenizer_config.json":
+            config = json.loads(item.read_text())
+            config.pop("chat_template", None)
+            (path / item.name).write_text(json.dumps(config))
+        else:
+            (path / item.name).symlink_to(item)
+    return path
+
+
+def test_input_mistakes_are_one_line_before_anything_starts(smollm2: Path, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    rows = verl_rows(20)
+    good = ("--data", write_jsonl(tmp_path / "good.jsonl", rows[:16]),
+            "--heldout", write_jsonl(tmp_path / "good-heldout.jsonl", rows[16:]))  # fmt: skip
+    up_refuses(runs, "--data", tmp_path / "missing.jsonl", text="missing.jsonl: no such file")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*verl_rows(2), {"prompt": "hi"}])
+    up_refuses(runs, "--data", bad, text="bad.jsonl row 3: `data_source` must be")
+    unknown = write_jsonl(
+        tmp_path / "unknown.jsonl", [dict(r, data_source="mine") for r in verl_rows(5)]
+    )
+    up_refuses(runs, "--data", unknown, text="data_source 'mine' has no scorer (5 rows")
+    up_refuses(runs, "--task", "arith", *good, text="--task and --data")
+    up_refuses(runs, "--task", "reasoning_gym:no_such_set", text="no dataset 'no_such_set'")
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    up_refuses(runs, "--model", gpt2, *good, text="model_type 'gpt2' is not supported")
+    plain = model_without_chat_template(smollm2, tmp_path / "plain")
+    up_refuses(runs, "--model", plain, *good, text="the tokenizer has no chat template")
+    long_rows = [dict(r, prompt=f"{i} " + "word " * 1500) for i, r in enumerate(verl_rows(7))]
+    long = write_jsonl(tmp_path / "long.jsonl", long_rows[:5])
+    long_held = write_jsonl(tmp_path / "long-heldout.jsonl", long_rows[5:])
+    up_refuses(
+        runs, "--model", smollm2, "--data", long, "--heldout", long_held,
+        text="7 of 7 prompts do not fit engine.max_model_len 1024",
+    )  # fmt: skip
+    shutil.rmtree(runs, ignore_errors=True)
