@@ -532,6 +532,19 @@ def test_service_config_validation_catches_a_bad_config(
         (["--set", "trainer.replicas=3"], "must equal it"),
         (["--set", "redis.enabled=false"], "redis.external.url is required"),
         (["--set", "reward.auth.type=static_token"], "reward.auth.tokens or"),
+        (["--set", "data.trainFiles={train.jsonl}"], "data.trainFiles needs data.volume"),
+        (
+            [
+                "--set",
+                "data.trainFiles={train.jsonl}",
+                "--set",
+                "data.volume.emptyDir.medium=",
+                "--set",
+                "trainer.prompts.inline[0].prompt=hi",
+            ],
+            "give one source of prompts",
+        ),
+        (["--set", "data.trainFiles={/abs.jsonl}"], "/data/trainFiles/0"),
     ],
 )
 def test_bad_values_fail_with_a_clear_message(
@@ -589,6 +602,27 @@ def test_multi_pod_trainer_rendezvous_at_rank_zero(
     assert trainer["spec"]["podManagementPolicy"] == "Parallel"
     svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == headless)
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_the_trainer_reads_a_dataset_from_its_volume(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["gpu-separate-async"]
+    config_map = next(
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-trainer")
+    )
+    data = yaml.safe_load(config_map["data"]["config.yaml"])["data"]
+    assert data["train_files"] == ["/data/dataset/math/train.parquet"]
+    assert data["heldout_files"] == ["/data/dataset/math/test.parquet"]
+    assert "prompts_file" not in data
+    trainer = next(
+        d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-trainer")
+    )
+    pod = trainer["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "dataset")
+    assert volume["persistentVolumeClaim"] == {"claimName": "math-dataset", "readOnly": True}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "dataset")
+    assert mount == {"name": "dataset", "mountPath": "/data/dataset", "readOnly": True}
 
 
 def test_engines_are_discoverable_and_listed(rendered: dict[str, list[dict[str, Any]]]) -> None:

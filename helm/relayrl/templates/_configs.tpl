@@ -84,7 +84,26 @@ algorithm:
   parameter_sync_step: {{ .Values.training.parameterSyncStep }}
   train_batch_groups: {{ .Values.training.trainBatchGroups }}
 data:
-  {{- if .Values.trainer.prompts.inline }}
+  {{- $data := .Values.data }}
+  {{- if $data.trainFiles }}
+  {{- if not $data.volume }}
+  {{- fail "data.trainFiles needs data.volume (the volume that holds the files)" }}
+  {{- end }}
+  {{- if or .Values.trainer.prompts.inline .Values.trainer.prompts.volume }}
+  {{- fail "data.trainFiles and trainer.prompts: give one source of prompts" }}
+  {{- end }}
+  train_files:
+    {{- range $data.trainFiles }}
+    - {{ printf "%s/%s" $data.path . | quote }}
+    {{- end }}
+  {{- if $data.heldoutFiles }}
+  heldout_files:
+    {{- range $data.heldoutFiles }}
+    - {{ printf "%s/%s" $data.path . | quote }}
+    {{- end }}
+  {{- end }}
+  heldout_fraction: {{ $data.heldoutFraction | float64 }}
+  {{- else if .Values.trainer.prompts.inline }}
   prompts_file: /etc/relayrl/prompts/prompts.jsonl
   {{- else if .Values.trainer.prompts.volume }}
   prompts_file: /data/prompts/{{ .Values.trainer.prompts.file }}
