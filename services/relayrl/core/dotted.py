@@ -8,6 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$"
+"""The form of a plug-in path, for config fields that take one."""
+
 
 def import_object(path: str, what: str = "plug-in") -> Any:
     """`package.module:attribute` (the attribute may be dotted) -> the object; ValueError

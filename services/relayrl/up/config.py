@@ -16,12 +16,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from relayrl.core.config import StrictModel, deep_merge  # noqa: F401 (deep_merge: its old home)
+from relayrl.core.dotted import DOTTED_PATH
 from relayrl.models.config import TinyModelConfig
 
 Mode = Literal["sync", "colocate_async", "separate_async"]
 BUILTIN_TASKS = ("arith", "lookup")
 REASONING_GYM_PREFIX = "reasoning_gym:"
-DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$"
 Transport = Literal["grpc", "torch_distributed", "mooncake"]
 
 # eta when the mode is given and eta is not.

@@ -19,11 +19,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from relayrl.core.dotted import import_object
+from relayrl.core.dotted import DOTTED_PATH, import_object
 from relayrl.reward.items import InfraError, RewardItem, Verdict
 from relayrl.reward.managers.base import ManagerConfigBase, ManagerContext, RewardManager
-
-DOTTED_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*$"
 
 
 def import_dotted(path: str) -> Any:
