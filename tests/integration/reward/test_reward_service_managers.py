@@ -59,6 +59,7 @@ def service(judge: JudgeSimProcess, tmp_path: Path) -> Iterator[RewardProcess]:
                 "components": {"correct": {"manager": "rules"}, "judge": {"manager": "disrm"}},
             },
             "limited": {"type": "rate_limited", "inner": "genrm", "requests_per_minute": 1000},
+            "reasoning_gym": {"type": "reasoning_gym"},
         },
         "default_manager": "rules",
         "pipeline": {"num_workers": 2},
@@ -161,6 +162,40 @@ def test_dapo_and_gdpo_compose_configured_managers(service: RewardProcess) -> No
         "judge",
         "judge/normalized",
     }
+
+
+def test_reasoning_gym_items_are_scored_by_their_checkers(service: RewardProcess) -> None:
+    """Another team scores reasoning-gym items over gRPC exactly as relayrl's trainer does."""
+    import json
+
+    import grpc
+
+    from relayrl.tasks.reasoning_gym import ReasoningGymTask
+
+    records = ReasoningGymTask.create("leg_counting", {}).prompts("train", 2, seed=0)
+
+    def item(item_id: str, record: dict[str, Any], response: str) -> common_pb2.RewardItem:
+        return common_pb2.RewardItem(
+            item_id=item_id, data_source=record["data_source"], response=response,
+            ground_truth=record["ground_truth"],
+        )  # fmt: skip
+
+    answers = [json.loads(r["ground_truth"])["answer"] for r in records]
+    items = [
+        item("right", records[0], f"Counting legs... <answer>{answers[0]}</answer>"),
+        item("wrong", records[1], f"<answer>{int(answers[1]) + 1}</answer>"),
+        item("untagged", records[1], answers[1]),
+    ]
+    results = score(service, "reasoning_gym", items)
+    assert [(r.item_id, r.status, r.score) for r in results] == [
+        ("right", OK, 1.0), ("wrong", POLICY_FAIL, 0.0), ("untagged", POLICY_FAIL, 0.0),
+    ]  # fmt: skip
+    malformed = item("bad", records[0], "<answer>1</answer>")
+    malformed.ground_truth = "292"  # not the item's JSON: refused, never scored 0
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        score(service, "reasoning_gym", [malformed])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the ground truth must be the JSON" in (refused.value.details() or "")
 
 
 def test_list_managers_describes_every_configured_manager(service: RewardProcess) -> None:
