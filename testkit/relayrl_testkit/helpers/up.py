@@ -78,7 +78,15 @@ class UpProcess:
     log_path: Path
 
     @classmethod
-    def start(cls, runs_dir: Path, config: dict[str, Any], *args: str) -> UpProcess:
+    def start(
+        cls,
+        runs_dir: Path,
+        config: dict[str, Any],
+        *args: str,
+        env: dict[str, str] | None = None,
+    ) -> UpProcess:
+        """`relayrl up --config <config> --runs-dir <runs_dir> *args`, with `env` added to the
+        environment."""
         runs_dir.mkdir(parents=True, exist_ok=True)
         config_path = runs_dir / f"up-{time.monotonic_ns()}.yaml"
         config_path.write_text(yaml.safe_dump(config))
@@ -90,6 +98,7 @@ class UpProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env={**os.environ, **env} if env else None,
             )
         return cls(process, runs_dir, log_path)
 

@@ -1,7 +1,8 @@
-"""`relayrl up` on a user's own model and data, as a user runs it: SmolLM2-135M-Instruct (a real
-pretrained model, imported from its GGUF file) trained for a few GRPO steps on a verl-format
-dataset the test writes, through the real stack (redis-server, the four services, a vLLM
-engine); then a reasoning-gym task on the tiny model. And every input mistake is one line and
+"""`relayrl up` on a user's own model, data and reward, as a user runs it: SmolLM2-135M-Instruct (a
+real pretrained model, imported from its GGUF file) trained for a few GRPO steps on a
+verl-format dataset the test writes, rewarded by the user's own function, through the real
+stack (redis-server, the four services, a vLLM engine); then a reasoning-gym task on the tiny
+model. And every input mistake is one line and
 exit code 2 before anything starts."""
 
 from __future__ import annotations
@@ -121,12 +122,20 @@ def test_a_real_pretrained_model_trains_on_a_verl_dataset(
     rows = verl_rows(44)
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     held = write_jsonl(tmp_path / "heldout.jsonl", rows[-4:])  # also in --data: never trained
+    # The user's reward function, importable from PYTHONPATH as a user's package would be: a
+    # constant 0.25 that no rule scorer gives, so the rewards show that it scored the rows.
+    (tmp_path / "my_rewards.py").write_text("def quarter(item):\n    return 0.25\n")
+    reward = {"function": "my_rewards:quarter", "data_sources": ["openai/gsm8k"]}
     up = UpProcess.start(
-        runs_dir, OWN_MODEL_RUN, "--model", str(smollm2), "--data", str(data),
-        "--heldout", str(held),
+        runs_dir, {**OWN_MODEL_RUN, "reward": reward},
+        "--model", str(smollm2), "--data", str(data), "--heldout", str(held),
+        env={"PYTHONPATH": str(tmp_path)},
     )  # fmt: skip
     run_dir, output = finished_run(up, 1100)
     check_run(run_dir, output, "dataset", steps=2, heldout=4)
+    assert [r["reward_mean"] for r in steps_logged(run_dir)] == [0.25, 0.25]
+    final = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
+    assert final["accuracy"] == 1.0  # judged by the same function: a positive score
     assert f"model: {smollm2}" in output
     assert "warm start" not in output  # a pretrained model starts from itself
     assert "held-out accuracy (start, version 0)" in output
