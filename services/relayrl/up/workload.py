@@ -1,8 +1,8 @@
 """What a run trains on, read and checked before any service starts.
 
 A workload is the run's prompt records (training and held-out, relayrl.trainer.feeder's
-format), the SFT examples when it has any, the default response budget, and how a held-out
-answer is judged correct. Three kinds:
+format), the built-in task whose SFT examples the warm start uses, and how a held-out answer is
+judged correct. Three kinds:
 
     built-in     `task.name` arith or lookup (relayrl.tasks): drawn from a seed, SFT examples
     dataset      `data.train_files`: a user's verl-format or flat files (relayrl.tasks.datasets)
@@ -25,14 +25,14 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from relayrl.tasks import Task
 from relayrl.tasks.datasets import DatasetError, Record, load_dataset
 from relayrl.up.config import BUILTIN_TASKS, UpConfig
 
-# Default response budget (train.max_tokens 0) of what is not a built-in task.
-DEFAULT_MAX_TOKENS = 256
+if TYPE_CHECKING:
+    from relayrl.tasks.reasoning_gym import ReasoningGymTask
 
 
 class WorkloadError(ValueError):
@@ -41,10 +41,10 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True)
 class Workload:
-    label: str
+    """Its name is `UpConfig.task_label`, its response budget `relayrl.up.prepare.max_tokens`."""
+
     train: list[Record]
     heldout: list[Record]
-    max_tokens: int
     judge: Judge
     task: Task | None = None
     """The built-in task (its SFT examples and knobs), else None."""
@@ -134,33 +134,24 @@ def load_workload(config: UpConfig) -> Workload:
     judge = Judge.for_run(config)
     if config.data.train_files:
         return _dataset_workload(config, judge)
-    if config.task.reasoning_gym_dataset is not None:
+    if config.task.reasoning_gym_dataset is None:
+        builtin = build_task(config)
+        drawn: Task | ReasoningGymTask = builtin
+    else:
         from relayrl.tasks.reasoning_gym import ReasoningGymTask
 
+        builtin = None
         try:
-            task = ReasoningGymTask.create(config.task.reasoning_gym_dataset, config.task.options)
-            train = task.prompts("train", config.task.train_prompts, config.task.seed)
-            heldout = task.prompts("heldout", config.task.heldout_prompts, config.task.seed)
+            drawn = ReasoningGymTask.create(config.task.reasoning_gym_dataset, config.task.options)
         except ValueError as exc:
             raise WorkloadError(f"task {config.task.name}: {exc}") from None
-        return Workload(
-            label=config.task.name, train=train, heldout=heldout,
-            max_tokens=config.train.max_tokens or DEFAULT_MAX_TOKENS, judge=judge,
-        )  # fmt: skip
-    task = build_task(config)
-    seed = config.task.seed
+    task, seed = config.task, config.task.seed
     try:
-        train = task.prompts("train", config.task.train_prompts, seed)
-        heldout = task.prompts("heldout", config.task.heldout_prompts, seed)
+        train = drawn.prompts("train", task.train_prompts, seed)
+        heldout = drawn.prompts("heldout", task.heldout_prompts, seed)
     except ValueError as exc:
-        raise WorkloadError(str(exc)) from None
-    from relayrl.up.prepare import TASK_DEFAULTS
-
-    return Workload(
-        label=task.name, train=train, heldout=heldout,
-        max_tokens=config.train.max_tokens or TASK_DEFAULTS[task.name]["max_tokens"],
-        judge=judge, task=task,
-    )  # fmt: skip
+        raise WorkloadError(f"task {task.name}: {exc}") from None
+    return Workload(train=train, heldout=heldout, judge=judge, task=builtin)
 
 
 def build_task(config: UpConfig) -> Task:
@@ -193,10 +184,7 @@ def _dataset_workload(config: UpConfig, judge: Judge) -> Workload:
         )  # fmt: skip
     except DatasetError as exc:
         raise WorkloadError(str(exc)) from None
-    return Workload(
-        label="dataset", train=dataset.train, heldout=dataset.heldout[: data.max_heldout],
-        max_tokens=config.train.max_tokens or DEFAULT_MAX_TOKENS, judge=judge,
-    )  # fmt: skip
+    return Workload(train=dataset.train, heldout=dataset.heldout[: data.max_heldout], judge=judge)
 
 
 def check_prompt_lengths(

@@ -42,10 +42,10 @@ def verl_row(i: int, source: str = "gsm8k") -> dict:
 
 def test_the_default_is_the_built_in_task_as_before() -> None:
     workload = load_workload(UpConfig())
-    assert workload.label == "arith" and workload.task is not None
+    assert UpConfig().task_label == "arith" and workload.task is not None
     assert workload.train == TASKS["arith"].prompts("train", 4000, 0)
     assert workload.heldout == TASKS["arith"].prompts("heldout", 400, 0)
-    assert workload.max_tokens == max_tokens(UpConfig()) == 24
+    assert max_tokens(UpConfig()) == 24
     assert UpConfig().warm_start_enabled
 
 
@@ -53,8 +53,8 @@ def test_a_dataset_is_the_task_and_its_held_out_rows_never_train(tmp_path: Path)
     train = write_rows(tmp_path / "train.jsonl", [verl_row(i) for i in range(200)])
     c = config(data={"train_files": [str(train)], "max_heldout": 5})
     workload = load_workload(c)
-    assert workload.label == c.task_label == "dataset" and workload.task is None
-    assert not c.warm_start_enabled and workload.max_tokens == 256
+    assert c.task_label == "dataset" and workload.task is None
+    assert not c.warm_start_enabled and max_tokens(c) == 256
     assert len(workload.heldout) == 5
     held = {json.dumps(r["messages"]) for r in workload.heldout}
     assert held.isdisjoint(json.dumps(r["messages"]) for r in workload.train)
@@ -117,7 +117,7 @@ def test_a_reasoning_gym_task_splits_by_question_and_is_scored_by_its_checker() 
         task={"name": "reasoning_gym:leg_counting", "train_prompts": 40, "heldout_prompts": 10}
     )
     workload = load_workload(c)
-    assert workload.label == "reasoning_gym:leg_counting" and not c.warm_start_enabled
+    assert c.task_label == "reasoning_gym:leg_counting" and not c.warm_start_enabled
     record = workload.train[0]
     assert [m["role"] for m in record["messages"]] == ["system", "user"]
     assert "<answer>" in record["messages"][0]["content"]
