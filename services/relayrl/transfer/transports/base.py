@@ -32,6 +32,7 @@ them.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import json
 import math
@@ -278,10 +279,12 @@ def wait_for_keys(
     waiting_for: str,
     bucket_index: int | None = None,
     abort_key: str | None = None,
+    who: str | None = None,
 ) -> None:
     """Wait until every key of `keys` (key -> the peer that sets it) is set; a TransportError
     naming the peers that did not set theirs otherwise. With `abort_key`, a peer that sets it
-    (to its reason) ends the wait early."""
+    (to its reason) ends the wait early, and `who` (this side's name) acknowledges having read
+    it (`abort_seen_key`), so that a store host that aborted knows it may go."""
     failure: RuntimeError | None = None
     while failure is None or not deadline.expired():
         # Wait in slices when watching for an abort: TCPStore cannot wait for "any of".
@@ -294,6 +297,8 @@ def wait_for_keys(
             failure = exc
         if abort_key is not None and _store_has(store, abort_key):
             reason = store.get(abort_key).decode()
+            if who is not None:
+                acknowledge_abort(store, abort_key, who)
             raise TransportError(
                 f"no {waiting_for}: a peer aborted: {reason}",
                 transfer_id=spec.transfer_id,
@@ -321,6 +326,17 @@ def _store_has(store: Store, key: str) -> bool:
         return bool(store.check([key]))
     except RuntimeError:
         return False
+
+
+def abort_seen_key(abort_key: str, who: str) -> str:
+    """The key by which `who` says it has read the reason published under `abort_key`."""
+    return f"{abort_key}/seen/{who}"
+
+
+def acknowledge_abort(store: Store, abort_key: str, who: str) -> None:
+    """Best effort: tell the store's host that `who` has read the abort reason."""
+    with contextlib.suppress(RuntimeError):  # the host is gone already: nothing to tell
+        store.set(abort_seen_key(abort_key, who), "1")
 
 
 def check_bucket(spec: TransportSpec, index: int, data: object, who: str) -> torch.Tensor:

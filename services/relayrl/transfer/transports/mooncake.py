@@ -54,6 +54,8 @@ from relayrl.transfer.transports.base import (
     Deadline,
     TransportError,
     TransportSpec,
+    abort_seen_key,
+    acknowledge_abort,
     local_address_towards,
     open_rendezvous_store,
     receiver_name,
@@ -71,6 +73,9 @@ _MAX_PAYLOAD_BYTES = 1 << 16
 ABORT_KEY = "abort"
 _SEND_TIMEOUT_FOR_ABORT_S = 1.0
 _STORE_TIMEOUT_FOR_ABORT = timedelta(seconds=1)
+# How long sender 0, aborting during set-up, keeps the store up for the peers that can only
+# learn why from it (they look every half second).
+_ABORT_LINGER = timedelta(seconds=2)
 _POLL_SLEEP_S = 0.0002
 # Mooncake's Python binding reports a failed submit as -1 cast to an unsigned batch id, or 0.
 _FAILED_BATCH_IDS = (0, -1, (1 << 64) - 1)
@@ -209,6 +214,7 @@ class _MooncakeEndpoint:
         self._mooncake: MooncakeEngine | None = None
         self._owns_engine = False
         self._store: Store | None = None
+        self._hosts_store = False
         self._channels: dict[int, _Channel] = {}  # peer rank -> channel
         self._selector: selectors.BaseSelector | None = selectors.DefaultSelector()
 
@@ -295,14 +301,34 @@ class _MooncakeEndpoint:
                 if not self._store.check([ABORT_KEY]):
                     self._store.set(ABORT_KEY, reason)
             except RuntimeError:
-                pass  # the store's host (sender 0) is gone
+                return  # the store's host (sender 0) is gone
+            if self._hosts_store and not self._channels:
+                self._linger_for_readers()
+
+    def _linger_for_readers(self) -> None:
+        """Set-up failed on the store's host, before any control connection: the peers waiting
+        in the store learn the reason only from it. Keep it up until they have read it (the
+        receivers that published, the other senders), for at most `_ABORT_LINGER`, so that
+        they report the reason rather than "the store is gone"."""
+        assert self._store is not None
+        spec = self.spec
+        readers = [sender_name(s) for s in range(1, spec.num_senders)] + [
+            receiver_name(r)
+            for r in range(spec.num_receivers)
+            if _store_has(self._store, _receiver_key(r))
+        ]
+        if readers:
+            with contextlib.suppress(RuntimeError):  # not all of them read it in time
+                self._store.wait([abort_seen_key(ABORT_KEY, who) for who in readers], _ABORT_LINGER)
 
     def _published_abort(self) -> str | None:
         """The reason a peer published under the abort key, if any."""
         assert self._store is not None
         try:
             if self._store.check([ABORT_KEY]):
-                return self._store.get(ABORT_KEY).decode()
+                reason = self._store.get(ABORT_KEY).decode()
+                acknowledge_abort(self._store, ABORT_KEY, self.name)
+                return reason
         except RuntimeError as exc:
             raise TransportError(
                 f"the rendezvous store is gone ({exc})",
@@ -394,7 +420,8 @@ class MooncakeSink(_MooncakeEndpoint, BucketSink):
     def _connect(self, engine: MooncakeEngine | None) -> None:
         spec = self.spec
         self._use_engine(engine)
-        self._store = open_rendezvous_store(spec, host_it=self.sender_rank == 0, who=self.name)
+        self._hosts_store = self.sender_rank == 0
+        self._store = open_rendezvous_store(spec, host_it=self._hosts_store, who=self.name)
         # Every receiver first, then connect: a receiver that is waiting for its senders can
         # then tell a missing receiver (no key) from a missing sender.
         wait_for_keys(
@@ -404,6 +431,7 @@ class MooncakeSink(_MooncakeEndpoint, BucketSink):
             spec=spec,
             waiting_for="published address",
             abort_key=ABORT_KEY,
+            who=self.name,
         )
         for rank in range(spec.num_receivers):
             key = _receiver_key(rank)
