@@ -179,12 +179,13 @@ def engine_generating(run: UpRun) -> bool:
 
 
 def weightsync_transferring(run: UpRun) -> bool:
-    import grpc
-
+    from relayrl.core.grpc_client import sync_channel
     from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+    from relayrl.up.secrets import operator_identity
 
-    with grpc.insecure_channel(run.children()["weightsync"]["target"]) as channel:
+    target = run.children()["weightsync"]["target"]
+    with sync_channel(target, operator_identity(run.run_dir), []) as channel:
         reply = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
             pb.GetVersionRequest(), timeout=2
         )

@@ -24,6 +24,7 @@ from relayrl.stack import (
     Endpoint,
     Endpoints,
     EngineDiscovery,
+    Identities,
     RolloutShape,
     StackConfig,
     Wiring,
@@ -39,6 +40,7 @@ SCENARIOS = (
 )
 RELEASE, NAMESPACE = "rr-wiring", "relayrl-wiring"
 GRPC_PORT, METRICS_PORT, REDIS_PORT = 50051, 9400, 6379
+IDENTITY_DIR = Path("/etc/relayrl/identity")  # where the pods mount the identities Secret
 
 
 def chart_values(scenario: str) -> dict[str, Any]:
@@ -105,6 +107,14 @@ def chart_wiring(values: dict[str, Any]) -> Wiring:
             )
         ),
         logging=LoggingConfig(level=values["logging"]["level"], json=values["logging"]["json"]),
+        identities=Identities(
+            tokens_file=IDENTITY_DIR / "tokens.yaml",
+            token_files={
+                p: IDENTITY_DIR / f"{p}.token" for p in ("trainer", "weightsync", "gateway")
+            },
+        )
+        if values["security"]["authenticate"]
+        else None,
     )
 
 

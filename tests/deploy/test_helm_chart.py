@@ -7,6 +7,7 @@ rules (probes, security, resources, accelerators, Service ports, NetworkPolicies
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -531,7 +532,6 @@ def test_service_config_validation_catches_a_bad_config(
         (["--set", "training.mode=sync"], "training.mode sync needs training.eta 0"),
         (["--set", "trainer.replicas=3"], "must equal it"),
         (["--set", "redis.enabled=false"], "redis.external.url is required"),
-        (["--set", "reward.auth.type=static_token"], "reward.auth.tokens or"),
         (["--set", "data.trainFiles={train.jsonl}"], "data.trainFiles needs data.volume"),
         (
             [
@@ -737,3 +737,80 @@ def test_redis_is_durable_and_authenticated(rendered: dict[str, list[dict[str, A
     assert not [
         d for d in external if d["metadata"]["labels"].get("app.kubernetes.io/component") == "redis"
     ]
+
+
+def test_services_authenticate_each_other_and_each_pod_holds_only_its_own_token(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["default"]
+    secret = next(
+        d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-identities")
+    )
+    data = secret["stringData"]
+    digests = yaml.safe_load(data["tokens.yaml"])
+    assert set(digests) == {"trainer", "weightsync", "gateway", "operator"}
+    for principal, digest in digests.items():
+        token = data[f"{principal}.token"]
+        assert len(token) >= 32 and digest == "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+    for component in ("trainer", "weightsync", "gateway", "reward", "engine"):
+        pod = next(
+            d["spec"]["template"]["spec"]
+            for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")
+            and d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+        )
+        volumes = [v for v in pod["volumes"] if v["name"] == "identity"]
+        if component in ("reward", "engine"):  # nothing of the services' tokens
+            assert volumes == [], component
+        else:
+            keys = [item["key"] for item in volumes[0]["secret"]["items"]]
+            assert keys == ["tokens.yaml", f"{component}.token"], component
+
+
+def test_the_reward_api_is_authenticated_with_shared_small_quotas_by_default(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["default"]
+    config = yaml.safe_load(
+        next(
+            d["data"]["config.yaml"]
+            for d in docs
+            if d["kind"] == "ConfigMap"
+            and d["metadata"]["labels"]["app.kubernetes.io/component"] == "reward"
+            and "config.yaml" in d.get("data", {})
+        )
+    )
+    assert config["auth"]["type"] == "static_token"
+    assert config["quota_store"] == "redis"
+    assert config["tenant_defaults"] == {"requests_per_minute": 120, "tokens_per_minute": 200000}
+    tenants = next(
+        d
+        for d in docs
+        if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-reward-tenants")
+    )
+    made = tenants["stringData"]
+    assert yaml.safe_load(made["tokens.yaml"]) == {"default": made["default.token"]}
+    assert len(made["default.token"]) >= 32
+
+
+@pytest.mark.parametrize(
+    ("args", "warnings"),
+    [
+        ([], []),
+        (["--set", "security.authenticate=false"], ["security.authenticate is false"]),
+        (["--set", "reward.auth.type=none"], ["reward.auth.type is none"]),
+    ],
+)
+def test_notes_warn_about_open_access(
+    deploy_tools: Any, chart_copy: Path, args: list[str], warnings: list[str]
+) -> None:
+    result = subprocess.run(
+        [str(deploy_tools.helm), "install", "--dry-run=client", RELEASE, str(chart_copy),
+         "--namespace", NAMESPACE, *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    manifests, notes = result.stdout.split("NOTES:")
+    found = [line for line in notes.splitlines() if line.startswith("WARNING")]
+    assert len(found) == len(warnings) and all(w in f for w, f in zip(warnings, found, strict=True))
+    assert ("-identities" in manifests) == ("security.authenticate=false" not in args)

@@ -7,6 +7,7 @@
 {{- $ctx := dict "root" . "component" "gateway" }}
 {{- $t := .Values.training }}
 {{- $base := include "relayrl.serviceBase" $ctx }}
+{{- $base = printf "%s%s" $base (include "relayrl.identityAuth" .) }}
 {{- $base = printf "%s\ntq:\n%s" $base (include "relayrl.tqConfig" . | indent 2) }}
 {{- $base = printf "%s\n%s" $base (tpl `tokenizer: {{ .Values.model.path }}
 engines:
@@ -26,7 +27,8 @@ agent_http:
   port: {{ include "relayrl.port.agent" . }}
   model_name: policy
 weightsync:
-  target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "weightsync") }}` .) }}
+  target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "weightsync") }}
+  {{- include "relayrl.identityToken" (dict "root" . "principal" "gateway") }}` .) }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" .Values.gateway.config) }}
 {{- end }}
 
@@ -36,6 +38,8 @@ weightsync:
 {{- $base := include "relayrl.serviceBase" $ctx }}
 {{- $base = printf "%s\ntq:\n%s" $base (include "relayrl.tqConfig" . | indent 2) }}
 {{- $base = printf "%s\ntq_scorer:\n  enabled: true\n  partitions: [train]" $base }}
+{{- $limits := .Values.reward.tenantDefaults }}
+{{- $base = printf "%s\nquota_store: redis\ntenant_defaults:\n  requests_per_minute: %d\n  tokens_per_minute: %d" $base (int64 $limits.requestsPerMinute) (int64 $limits.tokensPerMinute) }}
 {{- if eq $auth.type "static_token" }}
 {{- $base = printf "%s\nauth:\n  type: static_token\n  tokens_file: /etc/relayrl/tenants/%s" $base $auth.tokensKey }}
 {{- else if eq $auth.type "mtls" }}
@@ -54,6 +58,7 @@ weightsync:
 {{- $ctx := dict "root" . "component" "weightsync" }}
 {{- $w := .Values.weightsync }}
 {{- $base := include "relayrl.serviceBase" $ctx }}
+{{- $base = printf "%s%s" $base (include "relayrl.identityAuth" .) }}
 {{- /* no engine list: the gateway registers every replica it discovers */}}
 {{- $base = printf "%s\nbucket_size_bytes: %d\nadvertise_target: %s:%s" $base (int64 $w.bucketSizeBytes) (include "relayrl.serviceHost" $ctx) (include "relayrl.port.grpc" .) }}
 {{- $base = printf "%s\nstate_dir: /var/lib/relayrl/weightsync" $base }}
@@ -61,7 +66,7 @@ weightsync:
 {{- if ne $w.transport "grpc" }}
 {{- $base = printf "%s\n  rendezvous_port: %d" $base (int $w.rendezvousPort) }}
 {{- end }}
-{{- $base = printf "%s\ngateway:\n  target: %s" $base (include "relayrl.grpcTarget" (dict "root" . "component" "gateway")) }}
+{{- $base = printf "%s\ngateway:\n  target: %s%s" $base (include "relayrl.grpcTarget" (dict "root" . "component" "gateway")) (include "relayrl.identityToken" (dict "root" . "principal" "weightsync")) }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" $w.config) }}
 {{- end }}
 
@@ -70,6 +75,7 @@ weightsync:
 {{- $t := .Values.training }}
 {{- $tr := .Values.trainer }}
 {{- $base := include "relayrl.serviceBase" $ctx }}
+{{- $base = printf "%s%s" $base (include "relayrl.identityAuth" .) }}
 {{- $base = printf "%s\ntq:\n%s" $base (include "relayrl.tqConfig" . | indent 2) }}
 {{- $base = printf "%s\n%s" $base (tpl `model:
   hf_dir: {{ .Values.model.path }}
@@ -119,8 +125,10 @@ checkpoint:
 publish:
   type: weightsync
   target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "weightsync") }}
+  {{- include "relayrl.identityToken" (dict "root" . "principal" "trainer") }}
 gateway:
   target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "gateway") }}
+  {{- include "relayrl.identityToken" (dict "root" . "principal" "trainer") }}
 total_steps: {{ .Values.training.totalSteps }}` .) }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" $tr.config) }}
 {{- end }}
@@ -170,9 +178,6 @@ cache_dir: /var/cache/relayrl/vllm` . }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.existingSecret is required when tls.enabled is true (a kubernetes.io/tls Secret with ca.crt)" }}
-{{- end }}
-{{- if and (eq .Values.reward.auth.type "static_token") (not .Values.reward.auth.existingSecret) (not .Values.reward.auth.tokens) }}
-{{- fail "reward.auth.type static_token needs reward.auth.tokens or reward.auth.existingSecret" }}
 {{- end }}
 {{- range $name, $token := .Values.reward.auth.tokens }}
 {{- if lt (len $token) 16 }}

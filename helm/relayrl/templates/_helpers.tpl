@@ -382,3 +382,48 @@ imagePullSecrets:
 {{- if hasKey $base "Error" }}{{ fail (printf "internal: chart config does not parse: %s" $base.Error) }}{{ end }}
 {{- toYaml (mustMergeOverwrite $base (deepCopy (.overrides | default dict))) }}
 {{- end }}
+
+{{/* The services' identities (security.authenticate): each of the trainer, weight-sync and
+     the gateway checks its callers against tokens.yaml (digests) and calls its peers with its
+     own token; relayrl.core.access says what each role may call. */}}
+{{- define "relayrl.identitySecretName" -}}
+{{- .Values.security.existingSecret | default (include "relayrl.componentName" (dict "root" . "component" "identities")) }}
+{{- end }}
+
+{{- define "relayrl.identityAuth" -}}
+{{- if .Values.security.authenticate }}
+auth:
+  type: static_token
+  tokens_file: /etc/relayrl/identity/tokens.yaml
+{{- end }}
+{{- end }}
+
+{{/* A client section's token line, with its leading newline: dict {root, principal}. */}}
+{{- define "relayrl.identityToken" -}}
+{{- if .root.Values.security.authenticate }}
+{{- printf "\n  token_file: /etc/relayrl/identity/%s.token" .principal }}
+{{- end }}
+{{- end }}
+
+{{/* The identity volume of a pod: the digests and its own token only. dict {root, principal} */}}
+{{- define "relayrl.identityVolumes" -}}
+{{- if .root.Values.security.authenticate }}
+- name: identity
+  secret:
+    secretName: {{ include "relayrl.identitySecretName" .root }}
+    defaultMode: 0440
+    items:
+      - key: tokens.yaml
+        path: tokens.yaml
+      - key: {{ .principal }}.token
+        path: {{ .principal }}.token
+{{- end }}
+{{- end }}
+
+{{- define "relayrl.identityMounts" -}}
+{{- if .root.Values.security.authenticate }}
+- name: identity
+  mountPath: /etc/relayrl/identity
+  readOnly: true
+{{- end }}
+{{- end }}

@@ -18,6 +18,7 @@ This module imports nothing heavier than pydantic and PyYAML, so `--help` stays 
 from __future__ import annotations
 
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -38,6 +39,8 @@ from pydantic import (
 MIB = 1024 * 1024
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # gRPC core stores message limits in a signed 32-bit int
 MIN_TOKEN_CHARS = 16
+TOKEN_DIGEST_PREFIX = "sha256:"
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 REFLECTION_METHODS = (
@@ -135,7 +138,58 @@ class GrpcServerConfig(StrictModel):
     )
 
 
-class GrpcClientConfig(StrictModel):
+class TlsClientConfig(StrictModel):
+    """TLS towards a peer (`tls:` of a client section): the CA its certificate must chain to,
+    and for mutual TLS this caller's own certificate (whose CN names it to an `mtls` peer)."""
+
+    ca_file: Path = Field(description="PEM CA bundle the peer's certificate must chain to.")
+    cert_file: Path | None = Field(
+        None, description="PEM client certificate chain (mutual TLS); with key_file."
+    )
+    key_file: Path | None = Field(None, description="PEM private key of cert_file.")
+    server_name: str | None = Field(
+        None,
+        min_length=1,
+        description="Name to check the peer's certificate against, when it differs from the "
+        "target's host (e.g. a certificate issued for the Service's DNS name, dialled by IP).",
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsClientConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError(
+                "give both cert_file and key_file for a client certificate, or neither"
+            )
+        return self
+
+
+class ClientCredentialsConfig(StrictModel):
+    """How this caller proves who it is to a peer: TLS (mutual, for an `mtls` peer) and/or a
+    bearer token for a `static_token` peer. Neither: plaintext and anonymous, which a peer
+    with authentication refuses."""
+
+    tls: TlsClientConfig | None = Field(
+        None, description="TLS towards the peer; null: plaintext (a mesh may add TLS)."
+    )
+    token_file: Path | None = Field(
+        None,
+        description="File holding this caller's bearer token (a mounted Secret), sent as "
+        "`authorization: Bearer <token>`.",
+    )
+    token_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding this caller's bearer token.",
+    )
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> ClientCredentialsConfig:
+        if self.token_file is not None and self.token_env is not None:
+            raise ValueError("set token_file or token_env, not both")
+        return self
+
+
+class GrpcClientConfig(ClientCredentialsConfig):
     """How a service calls another one (a peer's section, e.g. `weightsync_client:`)."""
 
     target: str = Field(min_length=1, description="gRPC target, e.g. `dns:///weightsync:50051`.")
@@ -171,18 +225,34 @@ class MetricsConfig(StrictModel):
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one (logged).")
 
 
+class RolesConfig(StrictModel):
+    """What each authenticated principal may do: a server allows each of its methods to some
+    roles (see the service's access table); a principal's roles are those listed for it under
+    `roles`, else its own name (so principals named `trainer`, `weightsync`, `gateway`,
+    `engine`, `operator`, `agent` need no entry)."""
+
+    roles: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="principal -> the roles it acts in, e.g. `{alice-ops: [operator]}`.",
+    )
+
+    def roles_of(self, principal: str) -> frozenset[str]:
+        return frozenset(self.roles.get(principal, [principal]))
+
+
 class NoAuthConfig(StrictModel):
     """Every caller is accepted (local runs, or a mesh that authenticates for us)."""
 
     type: Literal["none"] = Field("none", description="Authentication backend.")
 
 
-class StaticTokenAuthConfig(StrictModel):
+class StaticTokenAuthConfig(RolesConfig):
     """Callers send `authorization: Bearer <token>`; each token names one principal.
 
     The principal -> token mapping comes from exactly one of: a YAML file (a mounted Secret),
     an environment variable holding the same YAML mapping, or inline `tokens` (works, but puts
-    secrets into the config file; a warning is logged)."""
+    secrets into the config file; a warning is logged). A value may be the token itself or
+    `sha256:<hex digest of the token>`, so that the server never holds its callers' tokens."""
 
     type: Literal["static_token"] = Field(description="Authentication backend.")
     tokens_file: Path | None = Field(
@@ -229,7 +299,7 @@ class StaticTokenAuthConfig(StrictModel):
         return self
 
 
-class MtlsAuthConfig(StrictModel):
+class MtlsAuthConfig(RolesConfig):
     """Callers are named by the common name (CN) of their client certificate; needs
     `grpc.tls` with `client_ca_file` and `require_client_cert: true`."""
 
@@ -553,6 +623,31 @@ def _source_of(
 # --- static tokens ---------------------------------------------------------------------------
 
 
+def load_client_token(
+    config: ClientCredentialsConfig, label: str, environ: Mapping[str, str] = os.environ
+) -> str | None:
+    """The bearer token a client section names (None without one); ConfigError naming
+    `label` (the section, e.g. `publish`) when it cannot be read or is too weak."""
+    if config.token_env is not None:
+        where = f"env {config.token_env} ({label}.token_env)"
+        if config.token_env not in environ:
+            raise ConfigError(f"{where}: variable is not set")
+        token = environ[config.token_env].strip()
+    elif config.token_file is not None:
+        where = f"{config.token_file} ({label}.token_file)"
+        try:
+            token = config.token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read: {exc.strerror}") from None
+    else:
+        return None
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ConfigError(
+            f"{where}: the token must be at least {MIN_TOKEN_CHARS} characters without whitespace"
+        )
+    return token
+
+
 def load_static_tokens(
     config: StaticTokenAuthConfig, environ: Mapping[str, str] = os.environ
 ) -> dict[str, str]:
@@ -586,7 +681,13 @@ def _check_tokens(mapping: Any, label: str) -> dict[str, str]:
             raise ConfigError(f"{label}: principal names must be non-empty strings")
         if not isinstance(token, str):
             raise ConfigError(f"{label}: token of {principal!r} must be a string (quote it)")
-        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        if token.startswith(TOKEN_DIGEST_PREFIX):
+            if not _SHA256_HEX.fullmatch(token.removeprefix(TOKEN_DIGEST_PREFIX)):
+                raise ConfigError(
+                    f"{label}: digest of {principal!r} must be {TOKEN_DIGEST_PREFIX} and 64 "
+                    "lowercase hex digits"
+                )
+        elif len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
             raise ConfigError(
                 f"{label}: token of {principal!r} must be at least {MIN_TOKEN_CHARS} "
                 "characters without whitespace"

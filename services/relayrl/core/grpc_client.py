@@ -13,15 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from relayrl.core.config import MIB, GrpcClientConfig
+from relayrl.core.config import (
+    MIB,
+    ClientCredentialsConfig,
+    ConfigError,
+    GrpcClientConfig,
+    load_client_token,
+)
 from relayrl.core.interceptors import AUTHORIZATION_KEY, REQUEST_ID_KEY
 from relayrl.core.logs import REQUEST_ID
 
@@ -171,17 +178,118 @@ def tls_credentials(
     )
 
 
+@dataclass(frozen=True)
+class ClientIdentity:
+    """What a client section resolves to: TLS credentials and options, and a bearer token."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    options: tuple[tuple[str, str], ...] = ()
+    token: str | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ClientCredentialsConfig | None,
+        label: str,
+        environ: Mapping[str, str] = os.environ,
+    ) -> ClientIdentity:
+        """Reads the files `config` names now (a mistake is a ConfigError naming `label`, the
+        section, before any call is made)."""
+        if config is None:
+            return cls()
+        token = load_client_token(config, label, environ)
+        tls = config.tls
+        if tls is None:
+            return cls(token=token)
+
+        def read(path: Path, field: str) -> bytes:
+            try:
+                return path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(
+                    f"{path} ({label}.tls.{field}): cannot read: {exc.strerror}"
+                ) from None
+
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read(tls.ca_file, "ca_file"),
+            private_key=read(tls.key_file, "key_file") if tls.key_file else None,
+            certificate_chain=read(tls.cert_file, "cert_file") if tls.cert_file else None,
+        )
+        options = (("grpc.ssl_target_name_override", tls.server_name),) if tls.server_name else ()
+        return cls(credentials=credentials, options=options, token=token)
+
+
 def channel_from_config(
-    config: GrpcClientConfig, *, bearer_token: str | None = None
+    config: GrpcClientConfig, *, label: str = "client", environ: Mapping[str, str] = os.environ
 ) -> grpc.aio.Channel:
-    return make_channel(
-        config.target,
+    """An asyncio channel as `config` says, with its TLS and token (`label`: the section's name,
+    for errors)."""
+    identity = ClientIdentity.from_config(config, label, environ)
+    options = channel_options(
         max_message_bytes=config.max_message_bytes,
         keepalive_time_s=config.keepalive_time_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
-        default_timeout_s=config.default_timeout_s,
-        bearer_token=bearer_token,
     )
+    chain = CallDefaults(config.default_timeout_s, identity.token).interceptors()
+    if identity.credentials is not None:
+        return grpc.aio.secure_channel(
+            config.target, identity.credentials, [*options, *identity.options], interceptors=chain
+        )
+    return grpc.aio.insecure_channel(config.target, options=options, interceptors=chain)
+
+
+def sync_channel(
+    target: str, identity: ClientIdentity, options: Sequence[tuple[str, Any]]
+) -> grpc.Channel:
+    """A blocking channel to `target` with `identity`'s TLS and token (the clients that run in
+    threads: the trainer's links, an engine worker's pull)."""
+    if identity.credentials is not None:
+        channel = grpc.secure_channel(
+            target, identity.credentials, options=[*options, *identity.options]
+        )
+    else:
+        channel = grpc.insecure_channel(target, options=list(options))
+    if identity.token is None:
+        return channel
+    return grpc.intercept_channel(channel, _BearerToken(identity.token))
+
+
+class _SyncCallDetails(grpc.ClientCallDetails):
+    def __init__(self, details: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
+        self.method = details.method
+        self.timeout = details.timeout
+        self.metadata = metadata
+        self.credentials = details.credentials
+        self.wait_for_ready = details.wait_for_ready
+        self.compression = getattr(details, "compression", None)
+
+
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call of a blocking channel."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = (AUTHORIZATION_KEY, f"Bearer {token}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [m for m in (details.metadata or ()) if m[0] != AUTHORIZATION_KEY]
+        return _SyncCallDetails(details, [*metadata, self._entry])
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
 
 
 @dataclass(frozen=True)

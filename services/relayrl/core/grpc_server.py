@@ -42,13 +42,21 @@ from prometheus_client import CollectorRegistry
 
 from relayrl.core.config import (
     DEFAULT_EXEMPT_METHODS,
+    ConfigError,
     GrpcServerConfig,
     MetricsConfig,
+    RolesConfig,
     ServiceConfig,
     StaticTokenAuthConfig,
     TlsServerConfig,
 )
-from relayrl.core.interceptors import Authenticator, build_authenticator, server_interceptors
+from relayrl.core.interceptors import (
+    AccessPolicy,
+    AnyOfAuthenticator,
+    Authenticator,
+    build_authenticator,
+    server_interceptors,
+)
 from relayrl.core.metrics import MetricsServer, check_service_name
 
 logger = logging.getLogger(__name__)
@@ -96,6 +104,8 @@ class GrpcService:
         registry: CollectorRegistry,
         authenticator: Authenticator | None = None,
         exempt_methods: Iterable[str] = DEFAULT_EXEMPT_METHODS,
+        access: Sequence[AccessPolicy] = (),
+        roles_of: Callable[[str], frozenset[str]] | None = None,
         metrics: MetricsConfig | None = None,
         shutdown_hooks: Iterable[ShutdownHook] = (),
     ) -> None:
@@ -111,7 +121,7 @@ class GrpcService:
         self._register = list(register)
         self._service_names = list(service_names)
         self._interceptors = server_interceptors(
-            service_name, registry, authenticator, exempt_methods
+            service_name, registry, authenticator, exempt_methods, access=access, roles_of=roles_of
         )
         self._metrics_server = (
             MetricsServer.from_config(metrics, registry) if metrics and metrics.enabled else None
@@ -329,23 +339,38 @@ def build_service(
     register: Sequence[Register],
     service_names: Sequence[str],
     registry: CollectorRegistry,
+    access: Sequence[AccessPolicy] = (),
+    minted: Authenticator | None = None,
     shutdown_hooks: Iterable[ShutdownHook] = (),
     environ: Mapping[str, str] = os.environ,
 ) -> GrpcService:
     """A not-yet-started GrpcService from a ServiceConfig: its grpc, metrics and auth sections.
     `register` callables add servicers to the grpc.aio server (e.g.
     `lambda s: add_FooServicer_to_server(servicer, s)`); `service_names` are their full proto
-    names, for health and reflection."""
+    names, for health and reflection. With authentication, `access` (the service's table)
+    says which roles may call each method, and `minted` also accepts the short-lived
+    credentials the service hands out itself (after the configured ones)."""
     auth = config.auth
     exempt = auth.exempt_methods if isinstance(auth, StaticTokenAuthConfig) else ()
+    authenticator = build_authenticator(auth, environ)
+    if authenticator is None:
+        logger.warning(
+            "%s: auth.type none: every caller that reaches the port may call every method; "
+            "set auth (static_token or mtls) on a shared network",
+            service_name,
+        )
+    elif minted is not None:
+        authenticator = AnyOfAuthenticator(authenticator, minted)
     return GrpcService(
         config.grpc,
         service_name=service_name,
         register=register,
         service_names=service_names,
         registry=registry,
-        authenticator=build_authenticator(auth, environ),
+        authenticator=authenticator,
         exempt_methods=exempt,
+        access=access,
+        roles_of=auth.roles_of if isinstance(auth, RolesConfig) else None,
         metrics=config.metrics,
         shutdown_hooks=shutdown_hooks,
     )
@@ -365,7 +390,7 @@ def serve_process(
     setup_logging(config.logging, service_name)
     try:
         asyncio.run(main())
-    except user_errors as exc:
+    except (ConfigError, *user_errors) as exc:
         logger.error("%s", exc)
         return 1
     return 0

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 import hmac
 import inspect
 import logging
 import os
 import re
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -33,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from relayrl.core.config import (
     DEFAULT_EXEMPT_METHODS,
     HEALTH_METHODS,
+    TOKEN_DIGEST_PREFIX,
     MtlsAuthConfig,
     NoAuthConfig,
     StaticTokenAuthConfig,
@@ -372,16 +375,27 @@ def bearer_token(metadata: Metadata | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+def token_digest(token: str) -> str:
+    """`sha256:<hex>` of `token`: what a tokens file may hold instead of the token itself."""
+    return TOKEN_DIGEST_PREFIX + hashlib.sha256(token.encode()).hexdigest()
+
+
 class StaticTokenAuthenticator:
     """Fixed principal → token table (from a mounted Secret); enough for service-to-service
-    calls and for a few teams calling the reward-service."""
+    calls and for a few teams calling the reward-service. Each entry is the token or its
+    `sha256:` digest; tokens are compared as digests, so both forms behave alike."""
 
     credentials_hint = f"metadata '{AUTHORIZATION_KEY}: Bearer <token>'"
 
     def __init__(self, tokens: Mapping[str, str]) -> None:
         if not tokens:
             raise ValueError("StaticTokenAuthenticator needs at least one principal -> token")
-        self._tokens = {principal: token.encode() for principal, token in tokens.items()}
+        self._digests = {
+            principal: (
+                token if token.startswith(TOKEN_DIGEST_PREFIX) else token_digest(token)
+            ).encode()
+            for principal, token in tokens.items()
+        }
 
     def authenticate(
         self, method: str, metadata: Metadata, peer: AuthContext | None = None
@@ -389,13 +403,96 @@ class StaticTokenAuthenticator:
         token = bearer_token(metadata)
         if token is None:
             return None
-        given = token.encode()
+        given = token_digest(token).encode()
         match = None
-        # Compare against every token so the time taken does not reveal which one is closest.
-        for principal, expected in self._tokens.items():
+        # Compare against every entry so the time taken does not reveal which one is closest.
+        for principal, expected in self._digests.items():
             if hmac.compare_digest(given, expected):
                 match = principal
         return Principal(match) if match is not None else None
+
+
+class MintedTokens:
+    """Short-lived bearer tokens a service hands out itself (weight-sync, to the engine workers
+    of one transfer): each names a principal until it is revoked or its time is up."""
+
+    credentials_hint = f"metadata '{AUTHORIZATION_KEY}: Bearer <token>' minted for this call"
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._live: dict[str, tuple[str, float]] = {}  # digest -> principal, expiry
+
+    def mint(self, principal: str, ttl_s: float) -> str:
+        now = self._clock()
+        self._live = {d: (p, t) for d, (p, t) in self._live.items() if t > now}
+        token = secrets.token_urlsafe(32)
+        self._live[token_digest(token)] = (principal, now + ttl_s)
+        return token
+
+    def revoke(self, token: str) -> None:
+        self._live.pop(token_digest(token), None)
+
+    def live_count(self) -> int:
+        """Tokens not yet revoked or expired (not `__len__`: an empty store must not be
+        falsy, or `store or MintedTokens()` quietly makes a second one)."""
+        now = self._clock()
+        return sum(1 for _, expiry in self._live.values() if expiry > now)
+
+    def authenticate(
+        self, method: str, metadata: Metadata, peer: AuthContext | None = None
+    ) -> Principal | None:
+        token = bearer_token(metadata)
+        entry = self._live.get(token_digest(token)) if token is not None else None
+        if entry is None or entry[1] <= self._clock():
+            return None
+        return Principal(entry[0])
+
+
+class AnyOfAuthenticator:
+    """The first of `authenticators` that accepts the call names the caller (e.g. the static
+    tokens of a deployment, then the short-lived tokens a service minted itself)."""
+
+    def __init__(self, *authenticators: Authenticator) -> None:
+        self._authenticators = authenticators
+        self.credentials_hint = authenticators[0].credentials_hint
+
+    def authenticate(
+        self, method: str, metadata: Metadata, peer: AuthContext | None = None
+    ) -> Principal | None:
+        for authenticator in self._authenticators:
+            if (principal := authenticator.authenticate(method, metadata, peer)) is not None:
+                return principal
+        return None
+
+
+# --- authorisation ---------------------------------------------------------------------------
+
+ANY_PRINCIPAL = "*"
+"""In an access table: every authenticated principal (e.g. the reward API's tenants)."""
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Which roles may call each method of one gRPC service. A method missing from the table
+    is refused to everyone (a new RPC is closed until someone decides who may call it)."""
+
+    service: str
+    """Full proto service name, e.g. `relayrl.proto.trainer.v1.Trainer`."""
+    methods: Mapping[str, frozenset[str]]
+    """Method name -> roles allowed (`ANY_PRINCIPAL`: every authenticated caller)."""
+
+    def allowed(self, method: str) -> frozenset[str] | None:
+        """The roles allowed to call `method` (`/pkg.Service/Method`); None when this table
+        is not about that service."""
+        service, _, name = method.strip("/").partition("/")
+        if service != self.service:
+            return None
+        return self.methods.get(name, frozenset())
+
+
+def access_table(service: str, **methods: tuple[str, ...]) -> AccessPolicy:
+    """`access_table("pkg.Svc", Publish=("trainer",), ...)`: an AccessPolicy, written short."""
+    return AccessPolicy(service, {name: frozenset(roles) for name, roles in methods.items()})
 
 
 class CertificateAuthenticator:
@@ -438,14 +535,40 @@ def build_authenticator(
 
 class AuthInterceptor(ScopeInterceptor):
     """Rejects calls the authenticator does not accept with UNAUTHENTICATED, saying what to
-    send; exempt methods (health, reflection by default) stay open so probes work. The
-    principal is available to handlers through `current_principal()`."""
+    send, and calls whose principal has none of the roles the access tables allow for the
+    method with PERMISSION_DENIED; exempt methods (health, reflection by default) stay open so
+    probes work. The principal is available to handlers through `current_principal()`."""
 
     def __init__(
-        self, authenticator: Authenticator, exempt_methods: Iterable[str] = DEFAULT_EXEMPT_METHODS
+        self,
+        authenticator: Authenticator,
+        exempt_methods: Iterable[str] = DEFAULT_EXEMPT_METHODS,
+        *,
+        access: Sequence[AccessPolicy] = (),
+        roles_of: Callable[[str], frozenset[str]] | None = None,
     ) -> None:
+        """`roles_of(principal)`: the roles it acts in (default: its own name)."""
         self._authenticator = authenticator
         self._exempt = frozenset(exempt_methods)
+        self._access = tuple(access)
+        self._roles_of = roles_of or (lambda principal: frozenset([principal]))
+
+    def refusal(self, method: str, principal: str) -> str | None:
+        """Why `principal` may not call `method` (None: it may)."""
+        for policy in self._access:
+            allowed = policy.allowed(method)
+            if allowed is None:
+                continue
+            roles = self._roles_of(principal)
+            if ANY_PRINCIPAL in allowed or roles & allowed:
+                return None
+            if not allowed:
+                return f"{method} is not served to any caller"
+            return (
+                f"{method} is for {', '.join(sorted(allowed))}; {principal!r} acts as "
+                f"{', '.join(sorted(roles))}"
+            )
+        return None  # a service without a table: authentication is all it asks
 
     def is_exempt(self, method: str) -> bool:
         service, _, _ = method.rpartition("/")
@@ -466,6 +589,8 @@ class AuthInterceptor(ScopeInterceptor):
                     f"{details.method} needs credentials: send "
                     f"{self._authenticator.credentials_hint}",
                 )
+            if (refusal := self.refusal(details.method, principal.name)) is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
             PRINCIPAL.set(principal)  # per-call task context, see RequestIdInterceptor
         yield
 
@@ -475,13 +600,19 @@ def server_interceptors(
     registry: CollectorRegistry,
     authenticator: Authenticator | None = None,
     exempt_methods: Iterable[str] = DEFAULT_EXEMPT_METHODS,
+    *,
+    access: Sequence[AccessPolicy] = (),
+    roles_of: Callable[[str], frozenset[str]] | None = None,
 ) -> list[grpc.aio.ServerInterceptor]:
-    """The standard chain, outermost first: request id, logging, metrics, auth."""
+    """The standard chain, outermost first: request id, logging, metrics, auth (with the
+    access tables, when there is authentication: without it every caller is anonymous)."""
     chain: list[grpc.aio.ServerInterceptor] = [
         RequestIdInterceptor(),
         LoggingInterceptor(logging.getLogger(f"relayrl.{service_name}.grpc")),
         MetricsInterceptor(registry, service_name),
     ]
     if authenticator is not None:
-        chain.append(AuthInterceptor(authenticator, exempt_methods))
+        chain.append(
+            AuthInterceptor(authenticator, exempt_methods, access=access, roles_of=roles_of)
+        )
     return chain

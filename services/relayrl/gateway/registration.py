@@ -38,7 +38,7 @@ class WeightSyncRegistrar:
         self._timeout_s = min(config.default_timeout_s, max(interval_s, 1.0) * 5)
         self._interval_s = interval_s
         self._pb = weightsync_pb2
-        self._channel = channel_from_config(config)
+        self._channel = channel_from_config(config, label="weightsync")
         self._stub = weightsync_pb2_grpc.WeightSyncStub(self._channel)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from relayrl.conversation.tools import ToolTable
+from relayrl.core.access import GATEWAY_ACCESS
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.core.replicas import static_replica_ids
 from relayrl.gateway.agent_http import AgentHttpServer, AgentSessions
@@ -205,6 +206,7 @@ async def run(config: GatewayConfig, ready_file: Path | None = None) -> None:
         ],
         service_names=[SERVICE_FULL_NAME],
         registry=registry,
+        access=[GATEWAY_ACCESS],
         shutdown_hooks=[app.close],
     )
 

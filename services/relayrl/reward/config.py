@@ -171,6 +171,12 @@ class RewardConfig(ServiceConfig):
         description="Limits of a principal without an entry in `tenants` (and of every caller "
         "when auth is none).",
     )
+    quota_store: Literal["memory", "redis"] = Field(
+        "memory",
+        description="Where tenant quotas are counted: memory (this replica alone: N replicas "
+        "give a tenant N times its quota) or redis (the `tq:` Redis, shared by every replica; "
+        "what a deployment with more than one replica needs).",
+    )
     tq_scorer: TQScorerConfig = Field(
         default_factory=TQScorerConfig, description="Scoring trajectories in the TransferQueue."
     )

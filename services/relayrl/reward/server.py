@@ -14,12 +14,14 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from relayrl.core.access import REWARD_ACCESS
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
 from relayrl.reward.config import RewardConfig
 from relayrl.reward.managers.table import build_managers
 from relayrl.reward.metrics import RewardMetrics
 from relayrl.reward.pipeline import PipelineSettings, RewardPipeline
+from relayrl.reward.quotas import RedisQuotas
 from relayrl.reward.servicer import RewardServicer
 from relayrl.reward.tenants import Tenants
 from relayrl.tq.queue import DurabilityError, TQUnavailableError
@@ -57,7 +59,9 @@ class RewardApp:
             batching={n: m.batching for n, m in config.managers.items() if m.batching},
             timeouts_s={n: m.timeout_s for n, m in config.managers.items()},
         )
-        self.tenants = Tenants(config, self.metrics)
+        self.tenants = Tenants(
+            config, self.metrics, RedisQuotas(config.tq) if config.quota_store == "redis" else None
+        )
         self.servicer = RewardServicer(self.pipeline, self.tenants, config)
         self._tq_scorer = None
         self._tq = None
@@ -90,6 +94,7 @@ class RewardApp:
         if self._tq_scorer is not None:
             await self._tq_scorer.close()
         await self.pipeline.close(self.config.pipeline.shutdown_grace_s)
+        await self.tenants.close()
         if self._tq is not None:
             self._tq.close()
 
@@ -106,6 +111,7 @@ async def run(config: RewardConfig, ready_file: Path | None = None) -> None:
         ],
         service_names=[SERVICE_FULL_NAME],
         registry=registry,
+        access=[REWARD_ACCESS],
         shutdown_hooks=[app.close],
     )
 

@@ -23,7 +23,7 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
 from relayrl.reward.config import RewardConfig
 from relayrl.reward.convert import item_from_proto, result_to_proto
-from relayrl.reward.items import RateLimited, RewardItem, RewardResult, Status
+from relayrl.reward.items import InfraError, RateLimited, RewardItem, RewardResult, Status
 from relayrl.reward.pipeline import (
     Closing,
     Handle,
@@ -35,6 +35,7 @@ from relayrl.reward.pipeline import (
     SubmitOptions,
     UnknownHandle,
 )
+from relayrl.reward.quotas import QuotaStoreUnavailable
 from relayrl.reward.tenants import QuotaExceeded, Tenants
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ _REQUEST_ERROR_CODES: dict[type[RequestError], grpc.StatusCode] = {
     ManagerNotAllowed: grpc.StatusCode.PERMISSION_DENIED,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    QuotaStoreUnavailable: grpc.StatusCode.UNAVAILABLE,
     Closing: grpc.StatusCode.UNAVAILABLE,
 }
 
@@ -141,13 +143,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             raise_on_error = options.on_error == reward_pb2.ON_ERROR_RAISE
         return SubmitOptions(manager, tenant, options.token_level, raise_on_error)
 
-    def _accept(
+    async def _accept(
         self, items_pb: list[common_pb2.RewardItem], options: SubmitOptions, api: str
     ) -> list[RewardItem]:
         items = [item_from_proto(item) for item in items_pb]
         with _request_errors():
             self.pipeline.validate(items, options)
-            self.tenants.charge(options.tenant, sum(item.approx_tokens() for item in items))
+            await self.tenants.charge(options.tenant, sum(item.approx_tokens() for item in items))
         self.pipeline.metrics.submissions.labels(tenant=options.tenant, api=api).inc()
         return items
 
@@ -158,7 +160,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.ScoreResponse:
         try:
             options = self.options_for(request.options, self._tenant())
-            items = self._accept(list(request.items), options, "score")
+            items = await self._accept(list(request.items), options, "score")
             with _request_errors():
                 results = await self.pipeline.score(items, options, _deadline(context))
             if options.raise_on_error and (failure := _first_failure(results)):
@@ -172,7 +174,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     ) -> reward_pb2.SubmitResponse:
         try:
             options = self.options_for(request.options, self._tenant())
-            items = self._accept(list(request.items), options, "submit")
+            items = await self._accept(list(request.items), options, "submit")
             with _request_errors():
                 handle = await self.pipeline.submit(
                     items, options, deadline_s=_deadline(context), validated=True
@@ -312,12 +314,16 @@ class _Stream:
                 grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace("items[0]", where, 1)
             ) from None
         try:
-            self._servicer.tenants.charge(options.tenant, item.approx_tokens())
+            await self._servicer.tenants.charge(options.tenant, item.approx_tokens())
         except QuotaExceeded as exc:
             # One item over quota: that item comes back RATE_LIMITED; the stream goes on.
             self._out.put_nowait(
                 RewardResult.failed(item.item_id, RateLimited(str(exc), exc.retry_after_s))
             )
+            return
+        except QuotaStoreUnavailable as exc:
+            # Its quota could not be checked: an infrastructure failure, never a score.
+            self._out.put_nowait(RewardResult.failed(item.item_id, InfraError(str(exc))))
             return
         self.pipeline.metrics.submissions.labels(tenant=options.tenant, api="stream").inc()
         with _request_errors():

@@ -2,17 +2,16 @@
 
 A tenant is the principal `auth:` established (a static token's name); without auth every
 caller is `anonymous`. Quotas are token buckets, so a tenant over quota is told exactly when a
-retry can succeed."""
+retry can succeed; they live in this replica or, shared by all replicas, in Redis
+(relayrl.reward.quotas)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from relayrl.core.interceptors import Principal
 from relayrl.reward.config import ANONYMOUS_TENANT, RewardConfig, TenantConfig
-from relayrl.reward.limits import TokenBucket
 from relayrl.reward.metrics import RewardMetrics
 from relayrl.reward.pipeline import ManagerNotAllowed, RequestError
+from relayrl.reward.quotas import Demand, MemoryQuotas, QuotaStore
 
 
 class QuotaExceeded(RequestError):
@@ -23,17 +22,14 @@ class QuotaExceeded(RequestError):
         self.retry_after_s = retry_after_s
 
 
-@dataclass
-class _Buckets:
-    requests: TokenBucket | None
-    tokens: TokenBucket | None
-
-
 class Tenants:
-    def __init__(self, config: RewardConfig, metrics: RewardMetrics) -> None:
+    def __init__(
+        self, config: RewardConfig, metrics: RewardMetrics, store: QuotaStore | None = None
+    ) -> None:
+        """`store`: where the quota buckets live (default: this replica's memory)."""
         self._config = config
         self._metrics = metrics
-        self._buckets: dict[str, _Buckets] = {}
+        self._store = store or MemoryQuotas()
 
     @staticmethod
     def name_of(principal: Principal | None) -> str:
@@ -53,46 +49,38 @@ class Tenants:
                 f"{', '.join(self.allowed_managers(tenant)) or 'none'})"
             )
 
-    def _buckets_of(self, tenant: str) -> _Buckets:
-        buckets = self._buckets.get(tenant)
-        if buckets is None:
-            limits = self.limits(tenant)
-            buckets = _Buckets(
-                TokenBucket(limits.requests_per_minute) if limits.requests_per_minute else None,
-                TokenBucket(limits.tokens_per_minute) if limits.tokens_per_minute else None,
-            )
-            self._buckets[tenant] = buckets
-        return buckets
-
-    def charge(self, tenant: str, num_tokens: int, num_requests: int = 1) -> None:
+    async def charge(self, tenant: str, num_tokens: int, num_requests: int = 1) -> None:
         """Take one request and `num_tokens` from the tenant's quotas, or raise QuotaExceeded
         (taking nothing). A request larger than a whole minute's token quota can never pass;
-        that is a request to split, said as such."""
-        buckets = self._buckets_of(tenant)
-        checks = [
-            ("requests_per_minute", buckets.requests, num_requests),
-            ("tokens_per_minute", buckets.tokens, num_tokens),
+        that is a request to split, said as such. QuotaStoreUnavailable when the shared
+        store does not answer."""
+        limits = self.limits(tenant)
+        demands = [
+            Demand(quota, capacity, amount)
+            for quota, capacity, amount in (
+                ("requests_per_minute", limits.requests_per_minute, num_requests),
+                ("tokens_per_minute", limits.tokens_per_minute, num_tokens),
+            )
+            if capacity and amount > 0
         ]
-        waits: list[tuple[float, str, TokenBucket]] = []
-        for quota, bucket, amount in checks:
-            if bucket is None or amount <= 0:
-                continue
-            if amount > bucket.capacity:
-                self._metrics.quota_rejections.labels(tenant=tenant, quota=quota).inc()
+        for demand in demands:
+            if demand.amount > demand.capacity:
+                self._metrics.quota_rejections.labels(tenant=tenant, quota=demand.quota).inc()
                 raise QuotaExceeded(
-                    f"this request needs {amount} of tenant {tenant!r}'s {quota} quota of "
-                    f"{bucket.capacity:.0f}; split it into smaller requests",
+                    f"this request needs {demand.amount:.0f} of tenant {tenant!r}'s "
+                    f"{demand.quota} quota of {demand.capacity:.0f}; split it into smaller "
+                    "requests",
                     retry_after_s=60.0,
                 )
-            waits.append((bucket.wait_s(amount), quota, bucket))
-        worst = max(waits, default=None, key=lambda wait: wait[0])
-        if worst is not None and worst[0] > 0:
-            self._metrics.quota_rejections.labels(tenant=tenant, quota=worst[1]).inc()
+        wait_s, quota = await self._store.take(tenant, demands)
+        if wait_s > 0:
+            self._metrics.quota_rejections.labels(tenant=tenant, quota=quota).inc()
+            capacity = next(d.capacity for d in demands if d.quota == quota)
             raise QuotaExceeded(
-                f"tenant {tenant!r} is over its {worst[1]} quota "
-                f"({worst[2].capacity:.0f}); retry in {worst[0]:.2f} s",
-                retry_after_s=worst[0],
+                f"tenant {tenant!r} is over its {quota} quota ({capacity:.0f}); retry in "
+                f"{wait_s:.2f} s",
+                retry_after_s=wait_s,
             )
-        for _, bucket, amount in checks:
-            if bucket is not None and amount > 0:
-                bucket.try_spend(amount)
+
+    async def close(self) -> None:
+        await self._store.close()

@@ -106,6 +106,32 @@ class RolloutShape(StrictModel):
     max_tokens: int = Field(ge=1, description="Response token budget per trajectory.")
 
 
+class Identities(StrictModel):
+    """Who the services are to each other: the trainer, weight-sync and the gateway check
+    their callers against one tokens file (principal -> token or its `sha256:` digest), and
+    each calls its peers with its own token, so a service can act only in its own role
+    (relayrl.core.access). The reward-service's callers are tenants: its `auth:` is each
+    deployment's own (`relayrl up` gives it the same file, the chart the tenants' Secret)."""
+
+    tokens_file: Path = Field(
+        description="YAML principal -> token digest that every server authenticates against."
+    )
+    token_files: dict[str, Path] = Field(
+        description="principal -> the file holding its own token: trainer, weightsync, gateway."
+    )
+
+    @model_validator(mode="after")
+    def _callers(self) -> Identities:
+        missing = sorted({"trainer", "weightsync", "gateway"} - set(self.token_files))
+        if missing:
+            raise ValueError(f"token_files needs an entry for {', '.join(missing)}")
+        return self
+
+    def client(self, principal: str) -> dict[str, Any]:
+        """A client section's credentials for calls made as `principal`."""
+        return {"token_file": str(self.token_files[principal])}
+
+
 class Wiring(StrictModel):
     """Everything the services share, written once."""
 
@@ -116,6 +142,11 @@ class Wiring(StrictModel):
     endpoints: Endpoints
     engines: EngineDiscovery
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    identities: Identities | None = Field(
+        None,
+        description="Authentication between the services; null: every service accepts every "
+        "caller (a private machine only).",
+    )
 
     def derive(self, service: str) -> dict[str, Any]:
         """The part of `service`'s config that the wiring decides."""
@@ -125,11 +156,21 @@ class Wiring(StrictModel):
 
     def _base(self, service: str) -> dict[str, Any]:
         e = self.endpoints.of(service)
-        return {
+        base = {
             "grpc": {"host": e.bind_host, "port": e.grpc_port},
             "metrics": {"host": e.bind_host, "port": e.metrics_port},
             "logging": self.logging.model_dump(mode="json", by_alias=True),
         }
+        if self.identities is not None and service != "reward":  # its callers are tenants
+            base["auth"] = {
+                "type": "static_token",
+                "tokens_file": str(self.identities.tokens_file),
+            }
+        return base
+
+    def _as(self, principal: str) -> dict[str, Any]:
+        """What a client section adds to call as `principal` (nothing without identities)."""
+        return {} if self.identities is None else self.identities.client(principal)
 
     def _tq(self) -> dict[str, Any]:
         return self.tq.model_dump(mode="json", exclude_unset=True)
@@ -155,14 +196,14 @@ class Wiring(StrictModel):
                 "batch_size": r.batch_groups,
                 "max_response_tokens": r.max_tokens,
             },
-            "weightsync": {"target": self.endpoints.weightsync.target},
+            "weightsync": {"target": self.endpoints.weightsync.target} | self._as("gateway"),
         }
 
     def _weightsync(self) -> dict[str, Any]:
         return {
             **self._base("weightsync"),
             "advertise_target": self.endpoints.weightsync.address,
-            "gateway": {"target": self.endpoints.gateway.target},
+            "gateway": {"target": self.endpoints.gateway.target} | self._as("weightsync"),
         }
 
     def _trainer(self) -> dict[str, Any]:
@@ -182,8 +223,9 @@ class Wiring(StrictModel):
                 "samples_per_prompt": r.samples_per_prompt,
                 "max_tokens": r.max_tokens,
             },
-            "publish": {"type": "weightsync", "target": self.endpoints.weightsync.target},
-            "gateway": {"target": self.endpoints.gateway.target},
+            "publish": {"type": "weightsync", "target": self.endpoints.weightsync.target}
+            | self._as("trainer"),
+            "gateway": {"target": self.endpoints.gateway.target} | self._as("trainer"),
         }
 
 
@@ -327,6 +369,10 @@ def disagreements(stack: StackConfig) -> list[Disagreement]:
     for path, (client, peer) in clients.items():
         target = getattr(client, "target", None)
         differ(path, target, f"endpoints.{peer}.target", w.endpoints.of(peer).target)
+    if w.identities is not None:
+        for name in ("gateway", "weightsync", "trainer"):
+            auth = getattr(stack, name).auth
+            differ(f"{name}.auth.type", auth.type, "identities", "static_token")
     for name in SERVICES:
         config, endpoint = getattr(stack, name), w.endpoints.of(name)
         for kind, port, expected in (

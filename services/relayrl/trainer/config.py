@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel
+from relayrl.core.config import (
+    ClientCredentialsConfig,
+    GrpcClientConfig,
+    ServiceConfig,
+    StrictModel,
+)
 from relayrl.tq.config import TQConfig
 from relayrl.trainer.advantages import AdvantageSettings
 from relayrl.trainer.losses import LossSettings
@@ -303,8 +308,9 @@ class HfDirPublishSettings(StrictModel):
     keep: int = Field(2, ge=1, description="Versions kept on disk.")
 
 
-class WeightSyncPublishSettings(StrictModel):
-    """Each version goes to the weight-sync service, which switches every engine to it."""
+class WeightSyncPublishSettings(ClientCredentialsConfig):
+    """Each version goes to the weight-sync service, which switches every engine to it (with
+    this section's `tls` and token, when weight-sync authenticates its callers)."""
 
     type: Literal["weightsync"]
     target: str = Field(min_length=1, description="gRPC target of relayrl-weightsync.")

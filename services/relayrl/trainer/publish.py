@@ -112,8 +112,11 @@ class WeightSyncPublisher(WeightPublisher):
 
             rank = dist.get_rank() if dist.is_initialized() else 0
             world = dist.get_world_size() if dist.is_initialized() else 1
+            from relayrl.core.grpc_client import ClientIdentity
+
             self._sender = WeightSyncSender(
                 self._settings.target,
+                identity=ClientIdentity.from_config(self._settings, "publish"),
                 rank=rank,
                 world_size=world,
                 quantization=self._settings.quantization,

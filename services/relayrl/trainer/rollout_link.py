@@ -11,7 +11,7 @@ import time
 import grpc
 
 from relayrl.core.config import GrpcClientConfig
-from relayrl.core.grpc_client import channel_options
+from relayrl.core.grpc_client import ClientIdentity, channel_options, sync_channel
 from relayrl.core.outage import Outage
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -31,9 +31,10 @@ class GatewayLink:
         self._config = config
         self._attempts = attempts
         self._outage_timeout_s = outage_timeout_s
-        self._channel = grpc.insecure_channel(
+        self._channel = sync_channel(
             config.target,
-            options=channel_options(
+            ClientIdentity.from_config(config, "gateway"),
+            channel_options(
                 max_message_bytes=config.max_message_bytes,
                 keepalive_time_s=config.keepalive_time_s,
                 keepalive_timeout_s=config.keepalive_timeout_s,

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from relayrl.core.access import TRAINER_ACCESS
 from relayrl.core.logs import setup_logging
 from relayrl.core.ports import free_port
 from relayrl.trainer.config import TrainerConfig
@@ -158,6 +159,7 @@ class _ServiceThread:
                 ],
                 service_names=[TRAINER_SERVICE],
                 registry=self._registry,
+                access=[TRAINER_ACCESS],
             )
             await self.service.start()
         except BaseException as exc:  # reported to the starting thread

@@ -74,7 +74,7 @@ def receive_tensors(
     Fills `stats` with the loaded buckets' sha256 (in plan order), bytes and seconds."""
     import grpc
 
-    from relayrl.core.grpc_client import channel_options
+    from relayrl.core.grpc_client import ClientIdentity, channel_options, sync_channel
     from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 
@@ -91,7 +91,7 @@ def receive_tensors(
     # Without BDP probing gRPC keeps its receive window small: with it, the service fills
     # ~100 MiB of this worker's buffers while the worker loads (measured by the bench).
     options = [*channel_options(max_message_bytes=256 * 1024 * 1024), ("grpc.http2.bdp_probe", 0)]
-    channel = grpc.insecure_channel(request.target, options=options)
+    channel = sync_channel(request.target, ClientIdentity(token=request.token or None), options)
     try:
         stub = weightsync_pb2_grpc.WeightSyncStub(channel)
         plan = stub.GetBucketPlan(

@@ -53,6 +53,9 @@ class ReceiveRequest:
     its own rank."""
     bucket_sha256: tuple[str, ...] = ()
     """Broadcast data planes: what each bucket must hash to, in plan order."""
+    token: str = ""
+    """The bearer token the workers present to weight-sync (minted for this transfer: it
+    lets them read the plan and pull the buckets, nothing else, until the load ends)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_sha256, list):
@@ -63,6 +66,8 @@ class ReceiveRequest:
                 raise ValueError(f"{name} must be a non-empty string, got {value!r}")
         if not isinstance(self.replica_id, str):
             raise ValueError(f"replica_id must be a string, got {self.replica_id!r}")
+        if not isinstance(self.token, str):
+            raise ValueError("token must be a string")
         if (
             isinstance(self.timeout_s, bool)
             or not isinstance(self.timeout_s, int | float)
@@ -98,6 +103,8 @@ class ReceiveRequest:
             "replica_id": self.replica_id,
             "timeout_s": self.timeout_s,
         }
+        if self.token:
+            fields["token"] = self.token
         if self.spec is not None:
             fields["spec"] = self.spec.to_json()
             fields["receiver_rank_base"] = self.receiver_rank_base

@@ -262,6 +262,17 @@ class SupervisionSection(StrictModel):
     )
 
 
+class SecuritySection(StrictModel):
+    """Who may call the run's services (docs/security.md)."""
+
+    authenticate: bool = Field(
+        True,
+        description="Every service authenticates its callers with tokens made for this run "
+        "(in <run>/secrets) and allows each only its role's methods; false: any process on "
+        "this machine may call every method (a warning is logged).",
+    )
+
+
 class ServicesSection(StrictModel):
     """Fields merged over the generated config of each service (deep merge). The composed
     system (relayrl.stack) is checked when this file is read, before anything starts: a field
@@ -294,6 +305,9 @@ class UpConfig(StrictModel):
     )
     supervision: SupervisionSection = Field(
         default_factory=SupervisionSection, description="Restarts."
+    )
+    security: SecuritySection = Field(
+        default_factory=SecuritySection, description="Authentication between the services."
     )
     services: ServicesSection = Field(
         default_factory=ServicesSection, description="Pass-through service fields."

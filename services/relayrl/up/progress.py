@@ -18,15 +18,20 @@ from typing import Any
 from relayrl.up.evaluate import read_records
 
 
-def replica_versions(target: str, timeout_s: float = 2.0) -> dict[str, tuple[int, bool]] | None:
-    """replica id -> (version, live) from weight-sync; None when it does not answer."""
+def replica_versions(
+    target: str, run_dir: Path, timeout_s: float = 2.0
+) -> dict[str, tuple[int, bool]] | None:
+    """replica id -> (version, live) from weight-sync, asked as the run's operator; None when
+    it does not answer."""
     import grpc
 
+    from relayrl.core.grpc_client import sync_channel
     from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+    from relayrl.up.secrets import operator_identity
 
     try:
-        with grpc.insecure_channel(target) as channel:
+        with sync_channel(target, operator_identity(run_dir), []) as channel:
             reply = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
                 pb.GetVersionRequest(), timeout=timeout_s
             )
@@ -77,7 +82,7 @@ class Progress:
         records = self.steps.new_records()
         if not records:
             return self.completed
-        versions = replica_versions(self.stack.target("weightsync"))
+        versions = replica_versions(self.stack.target("weightsync"), self.stack.run_dir)
         evals = [r for r in read_records(self.run_dir / "eval.jsonl")]
         for record in records:
             self.completed = max(self.completed, int(record["step"]) + 1)

@@ -42,6 +42,7 @@ from relayrl.stack.local import LocalPorts
 from relayrl.tq.server import RedisServer
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import RunFiles
+from relayrl.up.secrets import ensure_run_secrets, operator_identity
 from relayrl.up.wiring import NAMESPACE, PARTITION, up_stack
 
 logger = logging.getLogger(__name__)
@@ -331,6 +332,8 @@ class Stack:
     def build(self) -> None:
         d = self.run_dir
         logs = d / "logs"
+        if self.config.security.authenticate:
+            ensure_run_secrets(d)
         self.children["redis"] = RedisChild(d / "redis", self.ports.redis)
         configs = self.service_configs()
         for name in SERVICES:
@@ -405,12 +408,13 @@ class Stack:
         ChildStartError naming the engine otherwise."""
         import grpc
 
+        from relayrl.core.grpc_client import sync_channel
         from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
         engines = [n for n, c in self.children.items() if isinstance(c, EngineChild)]
         deadline = time.monotonic() + timeout_s
         states: dict[str, int] = {}
-        with grpc.insecure_channel(self.target("gateway")) as channel:
+        with sync_channel(self.target("gateway"), operator_identity(self.run_dir), []) as channel:
             stub = rollout_pb2_grpc.RolloutGatewayStub(channel)
             while time.monotonic() < deadline:
                 with contextlib.suppress(grpc.RpcError):

@@ -50,13 +50,15 @@ def _http_ok(url: str) -> str:
         return f"down ({getattr(exc, 'reason', exc)})"
 
 
-def _trainer_status(target: str) -> str:
+def _trainer_status(target: str, run_dir: Path) -> str:
     import grpc
 
+    from relayrl.core.grpc_client import sync_channel
     from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+    from relayrl.up.secrets import operator_identity
 
     try:
-        with grpc.insecure_channel(target) as channel:
+        with sync_channel(target, operator_identity(run_dir), []) as channel:
             reply = trainer_pb2_grpc.TrainerStub(channel).GetStatus(
                 trainer_pb2.GetStatusRequest(), timeout=HEALTH_TIMEOUT_S
             )
@@ -91,12 +93,12 @@ def status_lines(run_dir: Path) -> list[str]:
         else:
             state = _health(child["target"])
             if name == "trainer":
-                extra = _trainer_status(child["target"])
+                extra = _trainer_status(child["target"], run_dir)
                 state += f" ({extra})" if extra else ""
         health.append(f"{name} {state} (pid {child.get('pid')}{restarts})")
     lines.append("services: " + "; ".join(health))
     ws = children.get("weightsync")
-    versions = replica_versions(ws["target"]) if ws else None
+    versions = replica_versions(ws["target"], run_dir) if ws else None
     if versions is None:
         lines.append("weights:  weight-sync does not answer")
     else:

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.core.config import LoggingConfig
-from relayrl.stack import EngineDiscovery, RolloutShape, StackConfig, Wiring
+from relayrl.stack import EngineDiscovery, Identities, RolloutShape, StackConfig, Wiring
 from relayrl.stack.local import LocalPorts
 from relayrl.tq.config import TQConfig
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import max_tokens
+from relayrl.up.secrets import run_identities
 
 NAMESPACE = "relayrl"
 PARTITION = "train"
@@ -31,7 +32,10 @@ HINTS = {
 }
 
 
-def up_wiring(config: UpConfig, model_dir: Path, ports: LocalPorts) -> Wiring:
+def up_wiring(
+    config: UpConfig, model_dir: Path, ports: LocalPorts, identities: Identities | None = None
+) -> Wiring:
+    """`identities`: the run's tokens (relayrl.up.secrets), when it authenticates."""
     train = config.train
     return Wiring(
         tq=TQConfig(url=ports.redis_url, namespace=NAMESPACE, partitions=[PARTITION]),
@@ -47,6 +51,7 @@ def up_wiring(config: UpConfig, model_dir: Path, ports: LocalPorts) -> Wiring:
         endpoints=ports.endpoints(),
         engines=EngineDiscovery(urls=[ports.engine_url]),
         logging=LoggingConfig(json=True),
+        identities=identities if config.security.authenticate else None,
     )
 
 
@@ -55,8 +60,12 @@ def up_own_settings(
 ) -> dict[str, dict[str, Any]]:
     """What each service of a local run sets for itself (nothing another service reads)."""
     train = config.train
+    reward = up_reward_settings(config)
+    if config.security.authenticate:  # the operator (relayrl up) is the reward API's tenant
+        identities = run_identities(run_dir)
+        reward["auth"] = {"type": "static_token", "tokens_file": str(identities.tokens_file)}
     return {
-        "reward": up_reward_settings(config),
+        "reward": reward,
         "gateway": {
             "engines": {"health_interval_s": 1.0},
             "rollout": {"lease_s": 20.0, "claimer": "gateway-0"},
@@ -132,9 +141,10 @@ def up_reward_settings(config: UpConfig) -> dict[str, Any]:
 def up_stack(
     config: UpConfig, run_dir: Path, model_dir: Path, prompts_file: Path, ports: LocalPorts
 ) -> StackConfig:
-    """The run's four service configs; StackError names a bad field (`services.<svc>...`)."""
+    """The run's four service configs; StackError names a bad field (`services.<svc>...`).
+    Reads no file: the run's secrets are made when the services are (relayrl.up.secrets)."""
     return StackConfig.compose(
-        up_wiring(config, model_dir, ports),
+        up_wiring(config, model_dir, ports, run_identities(run_dir)),
         own=up_own_settings(config, run_dir, prompts_file, ports),
         overrides=config.services.model_dump(),
         hints=HINTS,

@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from relayrl.core.interceptors import MintedTokens
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.transfer.data_planes import DATA_PLANES
@@ -97,6 +98,7 @@ class Coordinator:
         self._switch_lock = asyncio.Lock()
         self._kept = KeptResources("sink")  # the Mooncake engine, started on first use
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.pull_tokens = MintedTokens()  # the engine workers' credentials, one per load
         self._routing = Routing(gateway, config.pause_mode)
         self._versions = Versions(config, metrics, spawn=self._spawn)
         self._loader = self._build_loader(metrics, engine_factory, advertise_target)
@@ -123,6 +125,7 @@ class Coordinator:
             "routing": self._routing,
             "versions": self._versions,
             "advertise_target": advertise_target,
+            "pull_tokens": self.pull_tokens,
         }
         if DATA_PLANES[self._config.data_plane.transport].broadcast:
             return BroadcastLoader(self._config, metrics, send=self._send_buckets, **parts)

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from relayrl.core.access import ENGINE
+from relayrl.core.interceptors import MintedTokens
 from relayrl.core.ports import free_port
 from relayrl.transfer.request import ReceiveRequest
 from relayrl.transfer.transports.base import TransportSpec
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _PING_TIMEOUT_S = 10.0
 _ANSWER_AFTER_FAILURE_S = 10.0
+_TOKEN_GRACE_S = 30.0  # a pull token outlives the load's deadline by this much at most
 
 LOADED, REFUSED, UNREACHABLE = "loaded", "refused", "unreachable"
 """How a replica ended a version: it holds it; it answers but could not load it; it is gone."""
@@ -58,13 +61,17 @@ class Loader(abc.ABC):
         routing: Routing,
         versions: Versions,
         advertise_target: Callable[[], str],
+        pull_tokens: MintedTokens | None = None,
     ) -> None:
+        """`pull_tokens`: where the tokens handed to the engine workers for one load are
+        minted (the service's authenticator accepts them until the load ends)."""
         self._config = config
         self._metrics = metrics
         self._engine_factory = engine_factory
         self._routing = routing
         self._versions = versions
         self._advertise_target = advertise_target
+        self._pull_tokens = pull_tokens if pull_tokens is not None else MintedTokens()
 
     @abc.abstractmethod
     async def load(
@@ -106,17 +113,20 @@ class Loader(abc.ABC):
         spec: TransportSpec | None = None,
         receiver_rank_base: int | None = None,
     ) -> ReceiveRequest:
-        """What `entry`'s workers receive; `spec` and `receiver_rank_base` for a broadcast."""
+        """What `entry`'s workers receive; `spec` and `receiver_rank_base` for a broadcast. Its
+        token is good for the engine role until `_receive` ends (or the load's deadline)."""
+        timeout_s = self._config.engines.load_timeout_s
         return ReceiveRequest(
             transport=self._config.data_plane.transport,
             target=self._advertise_target(),
             transfer_id=transfer.transfer_id,
             plan_digest=transfer.plan_digest,
             replica_id=entry.replica_id,
-            timeout_s=self._config.engines.load_timeout_s,
+            timeout_s=timeout_s,
             spec=spec,
             receiver_rank_base=receiver_rank_base,
             bucket_sha256=tuple(transfer.sha256) if spec is not None else (),
+            token=self._pull_tokens.mint(ENGINE, timeout_s + _TOKEN_GRACE_S),
         )
 
     async def _receive(
@@ -139,7 +149,10 @@ class Loader(abc.ABC):
             await client.pause(self._config.pause_mode)
         entry.holds = None  # from here until it answers, the replica may hold a mix
         await client.set_weight_version(loading_label(transfer.version))
-        answers = await client.worker_rpc("relayrl_receive", request.to_dict())
+        try:
+            answers = await client.worker_rpc("relayrl_receive", request.to_dict())
+        finally:
+            self._pull_tokens.revoke(request.token)
         for answer in answers:
             if answer.get("bucket_sha256") != transfer.sha256:
                 raise SyncError("load", "a worker loaded buckets whose checksums differ")

@@ -14,12 +14,15 @@ import hashlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.transfer.plan import DoubleBufferedPacker, layouts_from_plan, plan_digest
+
+if TYPE_CHECKING:
+    from relayrl.core.grpc_client import ClientIdentity
 
 Quantization = Literal["none", "fp8_per_tensor", "fp8_block_128"]
 
@@ -102,10 +105,11 @@ class WeightSyncSender:
         quantize_embeddings: bool = False,
         timeout_s: float = 600.0,
         chunk_bytes: int = 4 * 1024 * 1024,
+        identity: ClientIdentity | None = None,
     ) -> None:
-        import grpc
-
-        from relayrl.core.grpc_client import channel_options
+        """`identity`: the trainer's TLS and token towards weight-sync (none: plaintext,
+        anonymous)."""
+        from relayrl.core.grpc_client import ClientIdentity, channel_options, sync_channel
         from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 
         if not 0 <= rank < world_size:
@@ -115,8 +119,10 @@ class WeightSyncSender:
         self._quantize_embeddings = quantize_embeddings
         self._timeout_s = timeout_s
         self._chunk_bytes = chunk_bytes
-        self._channel = grpc.insecure_channel(
-            target, options=channel_options(max_message_bytes=256 * 1024 * 1024)
+        self._channel = sync_channel(
+            target,
+            identity or ClientIdentity(),
+            channel_options(max_message_bytes=256 * 1024 * 1024),
         )
         self._stub = weightsync_pb2_grpc.WeightSyncStub(self._channel)
 

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
+from relayrl.core.access import WEIGHTSYNC_ACCESS
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.config import WeightSyncConfig
@@ -34,7 +35,7 @@ class GatewayControl:
 
         self._pb = rollout_pb2
         self._timeout_s = config.default_timeout_s
-        self._channel = channel_from_config(config)
+        self._channel = channel_from_config(config, label="gateway")
         self._stub = rollout_pb2_grpc.RolloutGatewayStub(self._channel)
 
     async def pause(self, mode: str, replica_ids: Sequence[str] = ()) -> list[str]:
@@ -132,6 +133,8 @@ async def run(config: WeightSyncConfig, ready_file: Path | None = None) -> None:
         ],
         service_names=[SERVICE_FULL_NAME],
         registry=registry,
+        access=[WEIGHTSYNC_ACCESS],
+        minted=app.coordinator.pull_tokens,
         shutdown_hooks=[app.close],
     )
     app.service = service

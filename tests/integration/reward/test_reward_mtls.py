@@ -4,7 +4,6 @@ no certificate, or one from another CA, never gets a call through."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,32 +13,8 @@ import pytest
 from relayrl.core.grpc_client import make_channel, tls_credentials
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
+from relayrl_testkit.helpers.pki import make_ca, make_cert
 from relayrl_testkit.helpers.reward import RewardProcess
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def make_ca(directory: Path, name: str) -> None:
-    openssl(
-        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-        "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory,
-    )  # fmt: skip
-
-
-def make_cert(directory: Path, ca: str, name: str, san: str | None = None) -> None:
-    openssl(
-        "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-        "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory,
-    )  # fmt: skip
-    extensions = directory / f"{name}.ext"
-    extensions.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
-    openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-        "-CAcreateserial", "-days", "2", "-out", f"{name}.crt", "-extfile", extensions.name,
-        cwd=directory,
-    )  # fmt: skip
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2
+from relayrl.tq.server import RedisServer
 from relayrl_testkit.helpers.reward import RewardProcess
 
 OK, POLICY_FAIL = common_pb2.REWARD_STATUS_OK, common_pb2.REWARD_STATUS_POLICY_FAIL
@@ -332,6 +333,64 @@ def test_auth_manager_permissions_and_quotas(start_reward: Any, tmp_path: Path) 
             assert refused.status == RATE_LIMITED and "tokens_per_minute" in refused.message
 
     asyncio.run(scenario())
+
+
+def test_replicas_sharing_redis_share_each_tenants_quota(
+    start_reward: Any, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two replicas behind one Service: with quotas in Redis a tenant gets its quota once,
+    not once per replica; with each replica counting alone it gets it twice. A Redis that
+    does not answer refuses the call as UNAVAILABLE (an unscored item as INFRA_ERROR)."""
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("team-a: token-aaaaaaaaaaaaaaaa\n")
+
+    def replicas(store: str) -> list[RewardProcess]:
+        config = base_config(
+            auth={"type": "static_token", "tokens_file": str(tokens)},
+            tenant_defaults={"requests_per_minute": 3},
+            quota_store=store,
+            tq={"url": redis_server.url, "namespace": f"quota-{store}"},
+        )
+        return [start_reward(config, name=f"{store}-{i}") for i in range(2)]
+
+    async def accepted(services: list[RewardProcess], calls: int) -> int:
+        count = 0
+        for i in range(calls):
+            channel, stub = services[i % 2].stub("token-aaaaaaaaaaaaaaaa")
+            async with channel:
+                try:
+                    await stub.Score(reward_pb2.ScoreRequest(items=[item(f"ok-{i}")]))
+                    count += 1
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+        return count
+
+    shared, alone = replicas("redis"), replicas("memory")
+    assert asyncio.run(accepted(shared, 8)) == 3
+    assert asyncio.run(accepted(alone, 8)) == 6
+    keys = redis_server.client().keys("{quota-redis}:reward:quota:*")
+    assert sorted(k.decode() for k in keys) == [
+        "{quota-redis}:reward:quota:team-a:requests_per_minute"
+    ]
+    ttl = redis_server.client().ttl(keys[0])
+    assert 0 < ttl <= 61  # gone once the bucket would be full again
+
+    redis_server.kill()
+
+    async def without_redis() -> None:
+        channel, stub = shared[0].stub("token-aaaaaaaaaaaaaaaa")
+        async with channel:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.Score(reward_pb2.ScoreRequest(items=[item("ok-x")]))
+            assert error.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "quota store (Redis) did not answer" in error.value.details()
+            call = stub.ScoreStream()
+            await call.write(reward_pb2.ScoreStreamRequest(item=item("ok-y")))
+            await call.done_writing()
+            (result,) = [response.result async for response in call]
+            assert result.status == INFRA and "quota store" in result.message
+
+    asyncio.run(without_redis())
 
 
 def test_malformed_and_oversized_messages_are_rejected_and_the_service_stays_up(

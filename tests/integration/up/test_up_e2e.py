@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl_testkit.helpers.trust import knock_on_run, service_descriptors
 from relayrl_testkit.helpers.up import (
     SHORT_RUN,
     UpProcess,
@@ -126,10 +127,20 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
         status = subprocess.run(
             [relayrl(), "status", str(run_dir)], capture_output=True, text=True, timeout=60
         )
+        knocks = knock_on_run(run_dir)
         up.interrupt()
         assert up.wait(300) == 130, up.output()
     finally:
         up.stop()
+    # the running services refused every call without the run's tokens, and every call made
+    # with another role's token (while the run itself, and `relayrl status`, got through)
+    assert knocks.unauth_accepted == [], knocks.unauth_accepted
+    assert knocks.wrong_role_accepted == [], knocks.wrong_role_accepted
+    methods = sum(len(d.methods) for d in service_descriptors().values())
+    assert len(knocks.methods_tried()) == methods and len(knocks.of_kind(anonymous=False)) > 0
+    secrets = run_dir / "secrets"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o700"
+    assert {oct(p.stat().st_mode & 0o777) for p in secrets.iterdir()} == {"0o600"}
     # `relayrl status` asked the running stack itself
     assert status.returncode == 0, status.stderr
     lines = status.stdout
@@ -137,7 +148,7 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     for name in ("redis ok", "reward SERVING", "gateway SERVING", "weightsync SERVING"):
         assert name in lines, lines
     assert "trainer SERVING (step" in lines and "engine-0 ok" in lines, lines
-    assert re.search(r"weights:  engine-0 v\d+", lines), lines
+    assert re.search(r"weights:  engine-0 v[1-9]", lines), lines  # the engines got new ones
     assert re.search(r"queue:    groups .*consumed=\d+", lines), lines
     assert "held-out: " in lines, lines
     assert "resume with: relayrl up --resume" in up.output()

@@ -301,14 +301,18 @@ def test_tenant_quotas_refuse_with_a_retry_hint_and_take_nothing() -> None:
         {"tenants": {"team-a": {"requests_per_minute": 2, "tokens_per_minute": 100}}}
     )
     tenants = Tenants(config, RewardMetrics(CollectorRegistry()))
-    tenants.charge("team-a", 10)
-    tenants.charge("team-a", 10)
-    with pytest.raises(QuotaExceeded, match="over its requests_per_minute quota") as exc:
-        tenants.charge("team-a", 10)
-    assert 20 < exc.value.retry_after_s <= 30
-    with pytest.raises(QuotaExceeded, match="split it"):
-        tenants.charge("team-a", 1000)
-    tenants.charge("someone-else", 10**9)  # tenant_defaults: unlimited
+
+    async def charges() -> None:
+        await tenants.charge("team-a", 10)
+        await tenants.charge("team-a", 10)
+        with pytest.raises(QuotaExceeded, match="over its requests_per_minute quota") as exc:
+            await tenants.charge("team-a", 10)
+        assert 20 < exc.value.retry_after_s <= 30
+        with pytest.raises(QuotaExceeded, match="split it"):
+            await tenants.charge("team-a", 1000)
+        await tenants.charge("someone-else", 10**9)  # tenant_defaults: unlimited
+
+    asyncio.run(charges())
 
 
 def test_token_level_scores_need_a_generated_token() -> None:

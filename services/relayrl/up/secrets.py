@@ -1,0 +1,74 @@
+"""A local run's credentials: `relayrl up` turns authentication on between its services with
+tokens made for that run, so that another user's process on the same machine (or anything
+that can reach a loopback port) cannot publish weights, pause the gateway or stop the trainer.
+
+`<run>/secrets/` (mode 0700) holds one token file per caller (mode 0600): the trainer,
+weight-sync and the gateway call each other with their own, and `relayrl up` itself (its
+progress, `relayrl up status`) calls as the operator. Every service checks callers against
+`tokens.yaml`, which holds only the tokens' sha256 digests. What each role may call is
+relayrl.core.access's table. Engines get a token per weight load from weight-sync.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import yaml
+
+from relayrl.core.access import GATEWAY, OPERATOR, TRAINER, WEIGHTSYNC
+from relayrl.core.grpc_client import ClientIdentity
+from relayrl.core.interceptors import token_digest
+from relayrl.stack import Identities
+
+PRINCIPALS = (TRAINER, WEIGHTSYNC, GATEWAY, OPERATOR)
+SECRETS_DIR = "secrets"
+TOKENS_FILE = "tokens.yaml"
+
+
+def token_path(run_dir: Path, principal: str) -> Path:
+    return run_dir / SECRETS_DIR / f"{principal}.token"
+
+
+def run_identities(run_dir: Path) -> Identities:
+    """The run's identities (the files may not exist yet: see `ensure_run_secrets`)."""
+    return Identities(
+        tokens_file=run_dir / SECRETS_DIR / TOKENS_FILE,
+        token_files={p: token_path(run_dir, p) for p in PRINCIPALS},
+    )
+
+
+def ensure_run_secrets(run_dir: Path) -> Identities:
+    """Makes the run's tokens unless they exist (a resumed run keeps its own)."""
+    identities = run_identities(run_dir)
+    if identities.tokens_file.exists() and all(p.exists() for p in identities.token_files.values()):
+        return identities
+    directory = run_dir / SECRETS_DIR
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    digests = {}
+    for principal, path in identities.token_files.items():
+        token = secrets.token_urlsafe(32)
+        _write_private(path, token + "\n")
+        digests[principal] = token_digest(token)
+    _write_private(identities.tokens_file, yaml.safe_dump(digests, sort_keys=True))
+    return identities
+
+
+def operator_identity(run_dir: Path) -> ClientIdentity:
+    """How `relayrl up` and its tools call the run's services (anonymous when the run was
+    started with `security.authenticate: false`)."""
+    path = token_path(run_dir, OPERATOR)
+    if not path.exists():
+        return ClientIdentity()
+    return ClientIdentity(token=path.read_text(encoding="utf-8").strip())
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Writes `text` to a file only its owner can read, replacing it whole."""
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    partial.replace(path)

@@ -1,0 +1,166 @@
+"""Knocking on every gRPC method of running services with credentials that must be refused:
+none, a token nobody was given, and the token of every principal whose role the method's
+access table (relayrl.core.access) does not list. Used by the suite on a live `relayrl up` run
+and by `make bench-trust`.
+
+Requests are the method's empty message (a stream of one for client-streaming methods): a
+refused call never reaches the handler, so what it would have done does not matter, and a
+call that is wrongly accepted shows as any status other than UNAUTHENTICATED /
+PERMISSION_DENIED."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+
+from relayrl.core.access import ACCESS
+from relayrl.core.interceptors import ANY_PRINCIPAL, AUTHORIZATION_KEY
+
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def service_descriptors() -> dict[str, ServiceDescriptor]:
+    """The four services' proto descriptors, by the short name relayrl.core.access uses."""
+    from relayrl.proto.reward.v1 import reward_pb2
+    from relayrl.proto.rollout.v1 import rollout_pb2
+    from relayrl.proto.trainer.v1 import trainer_pb2
+    from relayrl.proto.weightsync.v1 import weightsync_pb2
+
+    return {
+        "reward": reward_pb2.DESCRIPTOR.services_by_name["RewardService"],
+        "gateway": rollout_pb2.DESCRIPTOR.services_by_name["RolloutGateway"],
+        "weightsync": weightsync_pb2.DESCRIPTOR.services_by_name["WeightSync"],
+        "trainer": trainer_pb2.DESCRIPTOR.services_by_name["Trainer"],
+    }
+
+
+def method_path(method: MethodDescriptor) -> str:
+    return f"/{method.containing_service.full_name}/{method.name}"
+
+
+def call(
+    channel: grpc.Channel,
+    method: MethodDescriptor,
+    request: Any,
+    metadata: list[tuple[str, str]],
+    timeout_s: float = 5.0,
+) -> grpc.StatusCode:
+    """The status of one call of `method` with `request` (a message, or for client-streaming
+    methods a list of messages); streamed replies are read to the end."""
+    request_class = message_factory.GetMessageClass(method.input_type)
+    reply_class = message_factory.GetMessageClass(method.output_type)
+    serialize = request_class.SerializeToString
+    deserialize = reply_class.FromString
+    path = method_path(method)
+    try:
+        if method.client_streaming and method.server_streaming:
+            stub = channel.stream_stream(path, serialize, deserialize)
+            for _ in stub(iter(request), metadata=metadata, timeout=timeout_s):
+                pass
+        elif method.client_streaming:
+            channel.stream_unary(path, serialize, deserialize)(
+                iter(request), metadata=metadata, timeout=timeout_s
+            )
+        elif method.server_streaming:
+            stub = channel.unary_stream(path, serialize, deserialize)
+            for _ in stub(request, metadata=metadata, timeout=timeout_s):
+                pass
+        else:
+            channel.unary_unary(path, serialize, deserialize)(
+                request, metadata=metadata, timeout=timeout_s
+            )
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def empty_request(method: MethodDescriptor) -> Any:
+    message = message_factory.GetMessageClass(method.input_type)()
+    return [message] if method.client_streaming else message
+
+
+@dataclass
+class Knock:
+    service: str
+    method: str
+    caller: str  # "anonymous", "unknown token" or a principal
+    status: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.status not in {code.name for code in REFUSED}
+
+
+@dataclass
+class TrustReport:
+    knocks: list[Knock] = field(default_factory=list)
+
+    def of_kind(self, anonymous: bool) -> list[Knock]:
+        unauthenticated = ("anonymous", "unknown token")
+        return [k for k in self.knocks if (k.caller in unauthenticated) == anonymous]
+
+    @property
+    def unauth_accepted(self) -> list[Knock]:
+        return [k for k in self.of_kind(anonymous=True) if k.accepted]
+
+    @property
+    def wrong_role_accepted(self) -> list[Knock]:
+        return [k for k in self.of_kind(anonymous=False) if k.accepted]
+
+    def methods_tried(self) -> list[str]:
+        return sorted({f"{k.service}.{k.method}" for k in self.knocks})
+
+
+def knock_everywhere(
+    targets: Mapping[str, str],
+    tokens: Mapping[str, str],
+    roles_of: Mapping[str, frozenset[str]] | None = None,
+) -> TrustReport:
+    """Every method of every service in `targets` (short name -> host:port), called with no
+    credentials, with an unknown token, and as each principal of `tokens` (principal ->
+    token) that the method's access table does not allow (`roles_of`: a principal's roles,
+    default its name). Only calls that must be refused are made."""
+    roles_of = roles_of or {}
+    report = TrustReport()
+    descriptors = service_descriptors()
+    for service, target in targets.items():
+        policy = ACCESS[service]
+        with grpc.insecure_channel(target) as channel:
+            for method in descriptors[service].methods:
+                allowed = policy.methods.get(method.name, frozenset())
+                for caller, metadata in _wrong_callers(tokens, roles_of, allowed):
+                    status = call(channel, method, empty_request(method), metadata)
+                    report.knocks.append(Knock(service, method.name, caller, status.name))
+    return report
+
+
+def _wrong_callers(
+    tokens: Mapping[str, str],
+    roles_of: Mapping[str, frozenset[str]],
+    allowed: frozenset[str],
+) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    yield "anonymous", []
+    yield "unknown token", [(AUTHORIZATION_KEY, f"Bearer {secrets.token_urlsafe(32)}")]
+    if ANY_PRINCIPAL in allowed:
+        return
+    for principal, token in tokens.items():
+        if not roles_of.get(principal, frozenset([principal])) & allowed:
+            yield principal, [(AUTHORIZATION_KEY, f"Bearer {token}")]
+
+
+def knock_on_run(run_dir: Path) -> TrustReport:
+    """`knock_everywhere` on the services of a running `relayrl up` run, with its own tokens."""
+    from relayrl.up.secrets import PRINCIPALS, token_path
+
+    children = json.loads((run_dir / "stack.json").read_text())["children"]
+    targets = {name: children[name]["target"] for name in ACCESS}
+    tokens = {p: token_path(run_dir, p).read_text().strip() for p in PRINCIPALS}
+    return knock_everywhere(targets, tokens)
