@@ -73,6 +73,11 @@ def session_end_to_proto(end: SessionEnd) -> rollout_pb2.SessionEnd:
     )
 
 
+# policy_step, batch_size, refill_groups: (policy_step + 1 + eta) * batch_size + refill_groups
+# stays far inside an int64 (the reply's fields).
+_POLICY_STEP_LIMITS = (2**40, 2**20, 2**40)
+
+
 class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
     def __init__(
         self,
@@ -110,10 +115,12 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
     async def UpdatePolicyStep(
         self, request: rollout_pb2.UpdatePolicyStepRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdatePolicyStepResponse:
-        if request.policy_step < 0 or request.batch_size < 0 or request.refill_groups < 0:
+        values = (request.policy_step, request.batch_size, request.refill_groups)
+        if not all(0 <= v <= limit for v, limit in zip(values, _POLICY_STEP_LIMITS, strict=True)):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"policy_step, batch_size and refill_groups must be >= 0, got "
+                "policy_step, batch_size and refill_groups must be in [0, 2^40], [0, 2^20] and "
+                f"[0, 2^40] (the throttle's product must fit an int64), got "
                 f"{request.policy_step}, {request.batch_size}, {request.refill_groups}",
             )
         for worker in self._workers:
