@@ -18,7 +18,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -76,7 +76,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -101,6 +101,9 @@ bench-e2e: setup ## the main job in sync vs separate_async (eta 1): trajectories
 
 bench-real-model: setup ## SmolLM2-135M on a reasoning-gym task through the real stack: phases, tokens/s, trainer vs plain transformers
 	$(BIN)/python bench/real_model_bench.py
+
+bench-trust: setup ## knock on and fuzz every surface of a running relayrl up (auth, roles, bad input)
+	$(BIN)/python bench/trust_bench.py
 
 bench-pipeline: setup ## the real services vs `relayrl sim` on one pipeline: sync, partial eta=1, eta=2 (engine emulated)
 	$(BIN)/python bench/pipeline_bench.py

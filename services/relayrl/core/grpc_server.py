@@ -389,6 +389,7 @@ def serve_process(
 
     setup_logging(config.logging, service_name)
     try:
+        build_authenticator(config.auth)  # a bad secrets file: said before anything connects
         asyncio.run(main())
     except (ConfigError, *user_errors) as exc:
         logger.error("%s", exc)

@@ -130,9 +130,17 @@ def wrap_handler(
     attr, factory = _KINDS[(handler.request_streaming, handler.response_streaming)]
     behavior = getattr(handler, attr)
     streaming_request = handler.request_streaming
+    # Only the innermost wrapper (the scope closest to the handler: authentication, when
+    # there is one) refuses requests that do not parse, so a caller that is not allowed to
+    # call learns nothing about its request, only that it may not call.
+    inner = getattr(behavior, "_relayrl_wrapped", False)
+
+    async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if not inner:
+            await _refuse_undecodable(request, details, context)
 
     def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if not streaming_request:
+        if inner or not streaming_request:
             return request
 
         async def messages() -> AsyncIterator[Any]:
@@ -147,7 +155,7 @@ def wrap_handler(
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             async with scope(details, context):
-                await _refuse_undecodable(request, details, context)
+                await refuse_undecodable(request, context)
                 async for response in behavior(checked(request, context), context):
                     yield response
 
@@ -155,7 +163,7 @@ def wrap_handler(
 
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             async with scope(details, context):
-                await _refuse_undecodable(request, details, context)
+                await refuse_undecodable(request, context)
                 return await behavior(checked(request, context), context)
 
     else:
@@ -163,6 +171,7 @@ def wrap_handler(
             f"{details.method}: handler {behavior!r} is synchronous; relayrl servers need "
             "`async def` handlers or async generators"
         )
+    wrapped._relayrl_wrapped = True  # type: ignore[attr-defined]
     return factory(
         wrapped,
         request_deserializer=_tolerant(handler.request_deserializer),

@@ -3,8 +3,9 @@ tokens made for that run, so that another user's process on the same machine (or
 that can reach a loopback port) cannot publish weights, pause the gateway or stop the trainer.
 
 `<run>/secrets/` (mode 0700) holds one token file per caller (mode 0600): the trainer,
-weight-sync and the gateway call each other with their own, and `relayrl up` itself (its
-progress, `relayrl up status`) calls as the operator. Every service checks callers against
+weight-sync and the gateway call each other with their own, `relayrl up` itself (its
+progress, `relayrl up status`) calls as the operator, and `agent.token` opens agent sessions
+over gRPC. Every service checks callers against
 `tokens.yaml`, which holds only the tokens' sha256 digests. What each role may call is
 relayrl.core.access's table. Engines get a token per weight load from weight-sync.
 """
@@ -17,12 +18,12 @@ from pathlib import Path
 
 import yaml
 
-from relayrl.core.access import GATEWAY, OPERATOR, TRAINER, WEIGHTSYNC
+from relayrl.core.access import AGENT, GATEWAY, OPERATOR, TRAINER, WEIGHTSYNC
 from relayrl.core.grpc_client import ClientIdentity
 from relayrl.core.interceptors import token_digest
 from relayrl.stack import Identities
 
-PRINCIPALS = (TRAINER, WEIGHTSYNC, GATEWAY, OPERATOR)
+PRINCIPALS = (TRAINER, WEIGHTSYNC, GATEWAY, OPERATOR, AGENT)
 SECRETS_DIR = "secrets"
 TOKENS_FILE = "tokens.yaml"
 

@@ -6,6 +6,7 @@ the client sections' TLS and tokens, over real channels (asyncio and blocking)."
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,10 +23,12 @@ from relayrl.core.config import ConfigError, GrpcClientConfig, ServiceConfig, lo
 from relayrl.core.grpc_client import ClientIdentity, channel_from_config, sync_channel
 from relayrl.core.grpc_server import GrpcService, build_service
 from relayrl.core.interceptors import ANY_PRINCIPAL, MintedTokens, token_digest
+from relayrl.core.service_process import console_script
 from relayrl.proto.reward.v1 import reward_pb2_grpc
 from relayrl.proto.rollout.v1 import rollout_pb2_grpc
 from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from relayrl.proto.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
+from relayrl_testkit.helpers.fuzz import Case, send
 from relayrl_testkit.helpers.pki import make_ca, make_cert
 from relayrl_testkit.helpers.trust import (
     call,
@@ -351,4 +354,46 @@ def test_a_digest_in_the_tokens_file_must_be_a_sha256(tmp_path: Path) -> None:
     ):
         build_service(
             config, service_name="x", register=[], service_names=[], registry=CollectorRegistry()
+        )
+
+
+@pytest.mark.parametrize("service", ["reward", "gateway", "weightsync"])
+def test_a_bad_tokens_file_at_start_up_is_one_line_and_exit_code_1(
+    tmp_path: Path, model_dir: Path, service: str
+) -> None:
+    tokens_file = tmp_path / "tokens.yaml"
+    tokens_file.write_text("trainer: short\n")
+    config = tmp_path / "config.yaml"
+    own = {"gateway": {"tokenizer": str(model_dir), "engines": {"urls": ["http://127.0.0.1:9"]}}}
+    auth = {"type": "static_token", "tokens_file": str(tokens_file)}
+    config.write_text(yaml.safe_dump({"auth": auth, **own.get(service, {})}))
+    done = subprocess.run(
+        [console_script(f"relayrl-{service}"), "--config", str(config)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "Traceback" not in output, output
+    (line,) = [x for x in output.splitlines() if "tokens.yaml" in x]
+    assert "token of 'trainer' must be at least 16 characters" in line
+
+
+def test_a_request_that_does_not_parse_is_refused_for_credentials_first(
+    four: ServerThread,
+) -> None:
+    """An unauthenticated caller learns only that it may not call, not whether its message
+    parses; an allowed caller is told its message is not valid."""
+    descriptor = service_descriptors()["weightsync"]
+    publish = descriptor.methods_by_name["Publish"]
+    push = descriptor.methods_by_name["PushBuckets"]  # client streaming
+    garbage = Case("garbage", (b"\xff\xff\xff\x01",))
+    with grpc.insecure_channel(four.target) as channel:
+        for method in (publish, push):
+            assert send(channel, method, garbage, [], 5.0) == grpc.StatusCode.UNAUTHENTICATED
+            assert send(channel, method, garbage, as_("engine"), 5.0) == (
+                grpc.StatusCode.PERMISSION_DENIED
+            )
+        # (the stand-in PushBuckets handler never reads its stream, so only Publish here)
+        assert send(channel, publish, garbage, as_("trainer"), 5.0) == (
+            grpc.StatusCode.INVALID_ARGUMENT
         )
