@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -54,12 +55,23 @@ def _rng_file(directory: Path, rank: int) -> Path:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG's state as tensors, lists and numbers only, so that loading it needs no
+    unpickling of arbitrary objects (`torch.load(weights_only=True)`: a checkpoint folder
+    someone else could write must not be able to run code in the trainer)."""
     from megatron.core import tensor_parallel
 
+    kind, keys, position, has_gauss, cached_gauss = np.random.get_state()
+    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch_cpu": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+        "numpy": [
+            kind,
+            torch.from_numpy(keys.astype(np.int64)),
+            position,
+            has_gauss,
+            cached_gauss,
+        ],
         "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     if torch.cuda.is_available():
@@ -71,11 +83,29 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch_cpu"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(x) for x in internal.tolist()), gauss))
+    kind, keys, position, has_gauss, cached_gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gauss))
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["torch_cuda"])
+
+
+def _load_rng_state(path: Path) -> dict[str, Any] | None:
+    """The RNG states saved at `path`, read without unpickling arbitrary objects; None (with a
+    warning) for a file in the older format that needs it."""
+    try:
+        state: dict[str, Any] = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        logger.warning(
+            "%s holds RNG states in a format that needs unsafe unpickling (an older relayrl): "
+            "not restored, training goes on with fresh RNG states (%s)",
+            path,
+            str(exc).splitlines()[0],
+        )
+        return None
+    return state
 
 
 def _allocate_optimizer_state(optimizer: Any) -> None:
@@ -238,7 +268,8 @@ def load_checkpoint(
         _restore_adam_steps(optimizer, steps)
     layout = current_layout()
     if saved["world_size"] == layout.world_size:
-        _set_rng_state(torch.load(_rng_file(directory, layout.rank), weights_only=False))
+        if (rng := _load_rng_state(_rng_file(directory, layout.rank))) is not None:
+            _set_rng_state(rng)
     elif layout.rank == 0:
         logger.warning(
             "checkpoint %s was saved by %d ranks, not %d: RNG states not restored",

@@ -281,6 +281,7 @@ class Run:
     def _reward_timing(self, stack: Stack) -> None:
         from relayrl.tq import TQConfig, TransferQueue
         from relayrl.up.progress import StepLog
+        from relayrl.up.secrets import with_redis_password
         from relayrl.up.stack import NAMESPACE
         from relayrl.up.timing import reward_timing, write_reward_timing
 
@@ -288,9 +289,8 @@ class Run:
         steps = [(int(r["step"]), list(r.get("uids", []))) for r in records]
         if not steps or not stack.children["redis"].alive():
             return
-        tq = TransferQueue.from_config(
-            TQConfig(url=stack.redis_url, namespace=NAMESPACE, partitions=[])
-        )
+        url = with_redis_password(stack.redis_url, self.run_dir)
+        tq = TransferQueue.from_config(TQConfig(url=url, namespace=NAMESPACE, partitions=[]))
         try:
             timings = reward_timing(tq, "train", steps)
         finally:

@@ -42,7 +42,12 @@ from relayrl.stack.local import LocalPorts
 from relayrl.tq.server import RedisServer
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import RunFiles
-from relayrl.up.secrets import ensure_run_secrets, operator_identity
+from relayrl.up.secrets import (
+    REDIS_PASSWORD_ENV,
+    ensure_run_secrets,
+    operator_identity,
+    redis_password,
+)
 from relayrl.up.wiring import NAMESPACE, PARTITION, up_stack
 
 logger = logging.getLogger(__name__)
@@ -125,9 +130,9 @@ class Child(abc.ABC):
 
 
 class RedisChild(Child):
-    def __init__(self, data_dir: Path, port: int) -> None:
+    def __init__(self, data_dir: Path, port: int, password: str | None = None) -> None:
         self.name = "redis"
-        self.server = RedisServer(data_dir, port=port)
+        self.server = RedisServer(data_dir, port=port, password=password)
 
     def start(self, timeout_s: float) -> None:
         self.server.start(timeout_s=min(timeout_s, 120.0))
@@ -307,13 +312,16 @@ class Stack:
         stack = self.stack_config()
         return {name: stack.service_file(name) for name in SERVICES}
 
-    def _env(self, service: str) -> dict[str, str] | None:
-        """The reward-service imports a user's reward function from where `relayrl up` was
-        started, as `relayrl up` itself did when it checked it."""
-        if service != "reward" or self.config.reward.function is None:
-            return None
-        paths = [str(Path.cwd()), *filter(None, [os.environ.get("PYTHONPATH")])]
-        return {"PYTHONPATH": os.pathsep.join(paths)}
+    def _env(self, service: str) -> dict[str, str]:
+        """The run's Redis password; and the reward-service imports a user's reward function
+        from where `relayrl up` was started, as `relayrl up` itself did when it checked it."""
+        env = {}
+        if (password := redis_password(self.run_dir)) is not None:
+            env[REDIS_PASSWORD_ENV] = password
+        if service == "reward" and self.config.reward.function is not None:
+            paths = [str(Path.cwd()), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env["PYTHONPATH"] = os.pathsep.join(paths)
+        return env
 
     def engine_config(self) -> EngineConfig:
         e = self.config.engine
@@ -334,7 +342,7 @@ class Stack:
         logs = d / "logs"
         if self.config.security.authenticate:
             ensure_run_secrets(d)
-        self.children["redis"] = RedisChild(d / "redis", self.ports.redis)
+        self.children["redis"] = RedisChild(d / "redis", self.ports.redis, redis_password(d))
         configs = self.service_configs()
         for name in SERVICES:
             self.children[name] = ServiceChild(

@@ -69,6 +69,7 @@ def _trainer_status(target: str, run_dir: Path) -> str:
 
 def status_lines(run_dir: Path) -> list[str]:
     from relayrl.up.progress import replica_versions
+    from relayrl.up.secrets import with_redis_password
 
     run = json.loads((run_dir / "run.json").read_text())
     lines = [
@@ -82,6 +83,7 @@ def status_lines(run_dir: Path) -> list[str]:
         lines += _eval_lines(run_dir)
         return lines
     stack = json.loads(stack_file.read_text())
+    stack["redis_url"] = with_redis_password(stack["redis_url"], run_dir)
     children: dict[str, Any] = stack["children"]
     health = []
     for name, child in children.items():

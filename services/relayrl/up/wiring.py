@@ -13,7 +13,7 @@ from relayrl.stack.local import LocalPorts
 from relayrl.tq.config import TQConfig
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import max_tokens
-from relayrl.up.secrets import run_identities
+from relayrl.up.secrets import REDIS_PASSWORD_ENV, run_identities
 
 NAMESPACE = "relayrl"
 PARTITION = "train"
@@ -38,7 +38,12 @@ def up_wiring(
     """`identities`: the run's tokens (relayrl.up.secrets), when it authenticates."""
     train = config.train
     return Wiring(
-        tq=TQConfig(url=ports.redis_url, namespace=NAMESPACE, partitions=[PARTITION]),
+        tq=TQConfig(
+            url=ports.redis_url,
+            password_env=REDIS_PASSWORD_ENV if config.security.authenticate else None,
+            namespace=NAMESPACE,
+            partitions=[PARTITION],
+        ),
         partition=PARTITION,
         model_path=model_dir,
         rollout=RolloutShape(
