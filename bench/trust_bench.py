@@ -49,8 +49,6 @@ from relayrl_testkit.helpers.fuzz import (
 )
 from relayrl_testkit.helpers.trust import knock_on_run, service_descriptors
 
-ENGINE_ROUTES = (("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/resume"),
-                 ("POST", "/reset_prefix_cache"), ("GET", "/v1/models"))  # fmt: skip
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -111,17 +109,12 @@ def main() -> int:
             f"{k.service}.{k.method} ({k.caller}): {k.status}" for k in knocks.wrong_role_accepted
         ]
         agent_url = agent_base(run)
-        engine_url = children["engine-0"]["url"]
         http_tried = []
         for method, route in AGENT_ROUTES:
             url = agent_url + route.replace("{id}", "trust-bench-1")
             http_tried.append(f"gateway-http {method} {route}")
             if http_accepts(url, method):
                 unauth.append(f"gateway-http {method} {route} (anonymous)")
-        for method, route in ENGINE_ROUTES:
-            http_tried.append(f"engine {method} {route}")
-            if http_accepts(engine_url + route, method):
-                unauth.append(f"engine {method} {route} (anonymous)")
 
         # -- fuzz ----------------------------------------------------------------------------
         reports: list[FuzzReport] = []
@@ -172,9 +165,9 @@ def main() -> int:
 
     print(f"relayrl up on {run.run_dir} ({time.monotonic() - started:.0f} s)")
     print("\nknocks (calls that must be refused):")
-    print(f"  gRPC methods tried: {len(knocks.methods_tried())} "
+    print(f"  gRPC methods and engine routes tried: {len(knocks.methods_tried())} "
           f"({', '.join(knocks.methods_tried())})")  # fmt: skip
-    print(f"  HTTP routes tried:  {len(http_tried)} ({', '.join(http_tried)})")
+    print(f"  HTTP routes tried without credentials: {len(http_tried)} ({', '.join(http_tried)})")
     print(f"  calls: {len(knocks.of_kind(anonymous=True))} without valid credentials, "
           f"{len(knocks.of_kind(anonymous=False))} with another role's token")  # fmt: skip
     for line in unauth:

@@ -16,6 +16,7 @@ engines:
     service: {{ include "relayrl.componentName" (dict "root" . "component" "engine") }}
     namespace: {{ .Release.Namespace }}
     port_name: http
+  {{- include "relayrl.identityToken" (dict "root" . "principal" "gateway") }}
 rollout:
   partitions: [train]
   eta: {{ .Values.training.eta | float64 }}
@@ -62,6 +63,9 @@ weightsync:
 {{- /* no engine list: the gateway registers every replica it discovers */}}
 {{- $base = printf "%s\nbucket_size_bytes: %d\nadvertise_target: %s:%s" $base (int64 $w.bucketSizeBytes) (include "relayrl.serviceHost" $ctx) (include "relayrl.port.grpc" .) }}
 {{- $base = printf "%s\nstate_dir: /var/lib/relayrl/weightsync" $base }}
+{{- if .Values.security.authenticate }}
+{{- $base = printf "%s\nengines:%s" $base (include "relayrl.identityToken" (dict "root" . "principal" "weightsync")) }}
+{{- end }}
 {{- $base = printf "%s\ndata_plane:\n  transport: %s\n  device: %s" $base $w.transport $w.device }}
 {{- if ne $w.transport "grpc" }}
 {{- $base = printf "%s\n  rendezvous_port: %d" $base (int $w.rendezvousPort) }}
@@ -146,7 +150,10 @@ max_num_seqs: {{ .Values.engine.maxNumSeqs }}
 tensor_parallel_size: {{ .Values.engine.tensorParallelSize }}
 gpu_memory_utilization: {{ .Values.engine.gpuMemoryUtilization | float64 }}
 cpu_kv_cache_space_gib: {{ .Values.engine.cpuKvCacheGib }}
-cache_dir: /var/cache/relayrl/vllm` . }}
+cache_dir: /var/cache/relayrl/vllm
+{{- if .Values.security.authenticate }}
+callers_file: /etc/relayrl/identity/tokens.yaml
+{{- end }}` . }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" $e.config) }}
 {{- end }}
 

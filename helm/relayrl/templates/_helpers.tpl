@@ -405,7 +405,8 @@ auth:
 {{- end }}
 {{- end }}
 
-{{/* The identity volume of a pod: the digests and its own token only. dict {root, principal} */}}
+{{/* The identity volume of a pod: the digests and its own token only (an engine, which
+     calls no one: principal "", the digests only). dict {root, principal} */}}
 {{- define "relayrl.identityVolumes" -}}
 {{- if .root.Values.security.authenticate }}
 - name: identity
@@ -415,8 +416,10 @@ auth:
     items:
       - key: tokens.yaml
         path: tokens.yaml
+      {{- if .principal }}
       - key: {{ .principal }}.token
         path: {{ .principal }}.token
+      {{- end }}
 {{- end }}
 {{- end }}
 

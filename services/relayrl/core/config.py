@@ -163,14 +163,10 @@ class TlsClientConfig(StrictModel):
         return self
 
 
-class ClientCredentialsConfig(StrictModel):
-    """How this caller proves who it is to a peer: TLS (mutual, for an `mtls` peer) and/or a
-    bearer token for a `static_token` peer. Neither: plaintext and anonymous, which a peer
-    with authentication refuses."""
+class TokenSourceConfig(StrictModel):
+    """Where this caller's bearer token comes from (none: it calls anonymously, which a peer
+    with authentication refuses)."""
 
-    tls: TlsClientConfig | None = Field(
-        None, description="TLS towards the peer; null: plaintext (a mesh may add TLS)."
-    )
     token_file: Path | None = Field(
         None,
         description="File holding this caller's bearer token (a mounted Secret), sent as "
@@ -183,10 +179,19 @@ class ClientCredentialsConfig(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _one_token_source(self) -> ClientCredentialsConfig:
+    def _one_token_source(self) -> TokenSourceConfig:
         if self.token_file is not None and self.token_env is not None:
             raise ValueError("set token_file or token_env, not both")
         return self
+
+
+class ClientCredentialsConfig(TokenSourceConfig):
+    """How this caller proves who it is to a gRPC peer: TLS (mutual, for an `mtls` peer)
+    and/or a bearer token for a `static_token` peer. Neither: plaintext and anonymous."""
+
+    tls: TlsClientConfig | None = Field(
+        None, description="TLS towards the peer; null: plaintext (a mesh may add TLS)."
+    )
 
 
 class GrpcClientConfig(ClientCredentialsConfig):
@@ -624,7 +629,7 @@ def _source_of(
 
 
 def load_client_token(
-    config: ClientCredentialsConfig, label: str, environ: Mapping[str, str] = os.environ
+    config: TokenSourceConfig, label: str, environ: Mapping[str, str] = os.environ
 ) -> str | None:
     """The bearer token a client section names (None without one); ConfigError naming
     `label` (the section, e.g. `publish`) when it cannot be read or is too weak."""

@@ -49,6 +49,18 @@ class EngineConfig(StrictModel):
         description="vLLM's cache and temporary files (VLLM_CACHE_ROOT, TMPDIR); null: "
         "a folder `.vllm-cache` next to the model.",
     )
+    load_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Folders besides the model folder from which the worker extension's "
+        "relayrl_load_tensors may read a file (tests, debugging); weights normally arrive "
+        "from weight-sync.",
+    )
+    callers_file: Path | None = Field(
+        None,
+        description="YAML principal -> token (or `sha256:` digest) of the services that may "
+        "call this engine, each only its role's routes (relayrl.engine.guard); null: every "
+        "caller may call every route, including /collective_rpc (a warning).",
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="More vLLM server flags, passed through as given."
     )
@@ -56,7 +68,8 @@ class EngineConfig(StrictModel):
     @field_validator("extra_args")
     @classmethod
     def _flags(cls, args: list[str]) -> list[str]:
-        owned = {"--model", "--port", "--host", "--worker-extension-cls", "--served-model-name"}
+        owned = {"--model", "--port", "--host", "--worker-extension-cls", "--served-model-name",
+                 "--middleware"}  # fmt: skip
         for arg in args:
             if arg.split("=", 1)[0] in owned:
                 raise ValueError(f"{arg.split('=', 1)[0]} is set by its own field, not extra_args")

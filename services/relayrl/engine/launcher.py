@@ -17,8 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from relayrl.engine.config import EngineConfig
+from relayrl.engine.guard import CALLERS_ENV, load_callers
 
 WORKER_EXTENSION = "relayrl.engine.worker_extension.RelayrlWorkerExtension"
+GUARD = "relayrl.engine.guard.EngineGuard"
+LOAD_DIRS_ENV = "RELAYRL_ENGINE_LOAD_DIRS"
+"""Where relayrl_load_tensors may read files (the worker extension checks)."""
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -65,6 +69,8 @@ def vllm_command(config: EngineConfig, python: str = sys.executable) -> list[str
             "--tensor-parallel-size", str(config.tensor_parallel_size),
             "--gpu-memory-utilization", str(config.gpu_memory_utilization),
         ]  # fmt: skip
+    if config.callers_file is not None:
+        argv += ["--middleware", GUARD]
     return argv + list(config.extra_args)
 
 
@@ -90,6 +96,10 @@ def vllm_environment(config: EngineConfig, base: Mapping[str, str] = os.environ)
         "VLLM_CACHE_ROOT": str(cache),
         "TMPDIR": str(short_tmpdir(cache / "tmp")),
     }
+    if config.callers_file is not None:
+        env[CALLERS_ENV] = str(config.callers_file.absolute())
+    folders = [config.model, *config.load_dirs]
+    env[LOAD_DIRS_ENV] = os.pathsep.join(str(folder.absolute()) for folder in folders)
     if resolve_device(config) == "cpu":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_space_gib)
@@ -143,5 +153,14 @@ def main(argv: list[str] | None = None, prog: str = "relayrl engine") -> int:
     if args.print_command:
         print(shlex.join(vllm_command(config)))
         return 0
+    if config.callers_file is None:
+        print(f"{prog}: warning: no callers_file: every caller may call every route of this "
+              "engine, /collective_rpc included", file=sys.stderr)  # fmt: skip
+    else:
+        try:
+            load_callers(config.callers_file)
+        except ConfigError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
     exec_engine(config)
     return 0  # not reached: exec_engine replaces the process

@@ -126,7 +126,7 @@ class RelayrlWorkerExtension:
         from safetensors.torch import safe_open
 
         request = json.loads(request_json)
-        path = request["path"]
+        path = _loadable(request["path"])
         wanted = set(request.get("names") or [])
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -198,3 +198,24 @@ class RelayrlWorkerExtension:
         """Liveness of the extension itself (it is loaded, and this worker answers) and the
         weights it holds whole: the initial ones (""), a transfer id, or None (a mix)."""
         return {"ok": True, "holds": getattr(self, "_relayrl_holds", INITIAL_WEIGHTS)}
+
+
+def _loadable(path: str) -> str:
+    """`path` when it lies in the model folder or an engine's `load_dirs` (what the launcher
+    put in RELAYRL_ENGINE_LOAD_DIRS), else ValueError: a caller of /collective_rpc must not
+    make the engine read any file it can name."""
+    import os
+    from pathlib import Path
+
+    resolved = Path(path).resolve()
+    folders = [
+        Path(f).resolve()
+        for f in os.environ.get("RELAYRL_ENGINE_LOAD_DIRS", "").split(os.pathsep)
+        if f
+    ]
+    if not any(resolved.is_relative_to(folder) for folder in folders):
+        raise ValueError(
+            f"relayrl_load_tensors: {path} is outside the model folder and the engine's "
+            "load_dirs; weights from elsewhere come through weight-sync"
+        )
+    return str(resolved)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel
+from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel, TokenSourceConfig
 from relayrl.tq.codec import check_partition_name
 from relayrl.tq.config import PartitionNames, TQConfig
 
@@ -33,8 +33,9 @@ class KubernetesDiscoveryConfig(StrictModel):
     )
 
 
-class EnginesConfig(StrictModel):
-    """The engine replicas to route to (`relayrl engine` servers)."""
+class EnginesConfig(TokenSourceConfig):
+    """The engine replicas to route to (`relayrl engine` servers), called with this section's
+    token when the engines check their callers (relayrl.engine.guard)."""
 
     urls: list[str] = Field(
         default_factory=list,

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from relayrl.conversation.tools import ToolTable
 from relayrl.core.access import GATEWAY_ACCESS
+from relayrl.core.config import load_client_token
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.core.replicas import static_replica_ids
 from relayrl.gateway.agent_http import AgentHttpServer, AgentSessions
@@ -62,6 +63,7 @@ class GatewayApp:
         from relayrl.tq import TransferQueue
 
         self.config = config
+        self._engine_token = load_client_token(config.engines, "engines")
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.tools = ToolTable(config.agents.tools, timeout_s=config.agents.tool_timeout_s)
         self.loops = build_agent_loops(config.agents.loops)
@@ -80,7 +82,9 @@ class GatewayApp:
                 self.pool, config.weightsync, engines.register_interval_s
             )
         self.discovery = (
-            EndpointSliceDiscovery(self.pool, engines.kubernetes) if engines.kubernetes else None
+            EndpointSliceDiscovery(self.pool, engines.kubernetes, make_client=self.engine_client)
+            if engines.kubernetes
+            else None
         )
         self.tq = TransferQueue.from_config(config.tq.model_copy(update={"partitions": []}))
         claimer = config.rollout.claimer or f"{socket.gethostname()}-{os.getpid()}"
@@ -153,10 +157,14 @@ class GatewayApp:
             tools=self.tools,
         )
 
+    def engine_client(self, url: str) -> VllmEngineClient:
+        """A client of the replica at `url`, calling with the gateway's engine token."""
+        return VllmEngineClient(url, token=self._engine_token)
+
     async def start(self) -> None:
         initial = str(self.config.engines.initial_weight_version)
         for replica_id, url in static_replica_ids(self.config.engines.urls).items():
-            replica = await self.pool.add(replica_id, VllmEngineClient(url))
+            replica = await self.pool.add(replica_id, self.engine_client(url))
             if replica.routable and not replica.weight_version.isdigit():  # not gated
                 await replica.client.set_weight_version(initial)
                 replica.weight_version = initial

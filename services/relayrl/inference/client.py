@@ -156,8 +156,12 @@ class VllmEngineClient(EngineClient):
         name: str | None = None,
         request_timeout_s: float = 600.0,
         control_timeout_s: float = 60.0,
+        token: str | None = None,
     ) -> None:
+        """`token`: sent as `Authorization: Bearer` to an engine that checks its callers
+        (relayrl.engine.guard)."""
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.name = name or self.base_url
         self._request_timeout_s = request_timeout_s
         self._control_timeout_s = control_timeout_s
@@ -168,7 +172,7 @@ class VllmEngineClient(EngineClient):
 
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), trust_env=False
+                connector=aiohttp.TCPConnector(limit=0), trust_env=False, headers=self._headers
             )
         return self._session
 

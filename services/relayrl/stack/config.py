@@ -128,7 +128,8 @@ class Identities(StrictModel):
         return self
 
     def client(self, principal: str) -> dict[str, Any]:
-        """A client section's credentials for calls made as `principal`."""
+        """A client section's credentials for calls made as `principal` (to a gRPC peer, or
+        to the engines, which check the same tokens file: relayrl.engine.guard)."""
         return {"token_file": str(self.token_files[principal])}
 
 
@@ -189,7 +190,8 @@ class Wiring(StrictModel):
             "tq": self._tq(),
             "tokenizer": str(self.model_path),
             "engines": self.engines.model_dump(mode="json", exclude_none=True, exclude_unset=True)
-            | {"urls": list(self.engines.urls)},
+            | {"urls": list(self.engines.urls)}
+            | self._as("gateway"),
             "rollout": {
                 "partitions": [self.partition],
                 "eta": float(r.eta),
@@ -203,6 +205,7 @@ class Wiring(StrictModel):
         return {
             **self._base("weightsync"),
             "advertise_target": self.endpoints.weightsync.address,
+            "engines": self._as("weightsync"),
             "gateway": {"target": self.endpoints.gateway.target} | self._as("weightsync"),
         }
 

@@ -46,7 +46,9 @@ class Evaluator:
         max_turns: int = 4,
         temperature: float = 1.0,
         sampled: bool = True,
+        engine_token: str | None = None,
     ) -> None:
+        """`engine_token`: the operator's, for an engine that checks its callers."""
         from transformers import AutoTokenizer
 
         from relayrl.conversation.tools import ToolTable
@@ -60,6 +62,7 @@ class Evaluator:
         self.max_turns = max_turns
         self.temperature = temperature
         self.sampled = sampled
+        self.engine_token = engine_token
 
     def run(self, engine_url: str, kind: str, step: int) -> EvalRecord:
         return asyncio.run(self._run(engine_url, kind, step))
@@ -69,7 +72,7 @@ class Evaluator:
         from relayrl.inference.client import VllmEngineClient
 
         started = time.monotonic()
-        client = VllmEngineClient(engine_url, request_timeout_s=120.0)
+        client = VllmEngineClient(engine_url, request_timeout_s=120.0, token=self.engine_token)
         try:
             version = policy_version(await client.weight_version())
             correct = await self._pass(client, 0.0, kind)

@@ -31,6 +31,7 @@ from relayrl.up.config import UpConfig
 from relayrl.up.evaluate import EvalRecord, Evaluator, append_record, read_records
 from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
 from relayrl.up.progress import Progress
+from relayrl.up.secrets import operator_identity
 from relayrl.up.stack import ORDER, ChildStartError, Event, Stack
 from relayrl.up.workload import Workload, load_workload
 
@@ -180,6 +181,7 @@ class Run:
             max_tokens=max_tokens(c),
             temperature=c.train.temperature,
             sampled=c.eval.sampled,
+            engine_token=operator_identity(self.run_dir).token,
         )
         if not any(r.get("kind") == "warm_start" for r in read_records(self.eval_log)):
             self._evaluate("warm_start", 0)

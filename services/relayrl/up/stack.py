@@ -47,6 +47,7 @@ from relayrl.up.secrets import (
     ensure_run_secrets,
     operator_identity,
     redis_password,
+    run_identities,
 )
 from relayrl.up.wiring import NAMESPACE, PARTITION, up_stack
 
@@ -333,6 +334,9 @@ class Stack:
             cpu_kv_cache_space_gib=e.kv_cache_gib,
             seed=self.config.train.seed,
             cache_dir=self.config.runs_dir / "cache" / "vllm",
+            callers_file=run_identities(self.run_dir).tokens_file
+            if self.config.security.authenticate
+            else None,
         )
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -7,11 +7,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from relayrl.core.config import MIB, GrpcClientConfig, ServiceConfig, StrictModel
+from relayrl.core.config import MIB, GrpcClientConfig, ServiceConfig, StrictModel, TokenSourceConfig
 
 
-class EnginesSettings(StrictModel):
-    """The engine replicas a version goes to."""
+class EnginesSettings(TokenSourceConfig):
+    """The engine replicas a version goes to, called with this section's token when the
+    engines check their callers (relayrl.engine.guard)."""
 
     urls: list[str] = Field(
         default_factory=list,

@@ -11,6 +11,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from relayrl.core.access import WEIGHTSYNC_ACCESS
+from relayrl.core.config import load_client_token
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.config import WeightSyncConfig
@@ -85,10 +86,14 @@ class GatewayControl:
         await self._channel.close()
 
 
-def engine_client(url: str, timeout_s: float) -> Any:
+def engine_clients(token: str | None) -> Any:
+    """The factory of clients of the engines, calling with weight-sync's engine token."""
     from relayrl.inference.client import VllmEngineClient
 
-    return VllmEngineClient(url, control_timeout_s=timeout_s)
+    def engine_client(url: str, timeout_s: float) -> Any:
+        return VllmEngineClient(url, control_timeout_s=timeout_s, token=token)
+
+    return engine_client
 
 
 class WeightSyncApp:
@@ -100,7 +105,7 @@ class WeightSyncApp:
         self.coordinator = Coordinator(
             config,
             self.metrics,
-            engine_factory=engine_client,
+            engine_factory=engine_clients(load_client_token(config.engines, "engines")),
             gateway=self.gateway,
             advertise_target=self.advertise_target,
         )

@@ -11,6 +11,7 @@ transfer it holds (`relayrl_ping`) names the reloaded file, not the initial weig
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -22,8 +23,12 @@ from relayrl.engine.process import EngineProcess
 from relayrl.inference.client import VllmEngineClient
 
 # What the test engines share unless a test asks for other settings: long enough for every
-# prompt + response the tests send (the longest, 400 tokens after a short prompt).
-TEST_ENGINE_SETTINGS: dict[str, Any] = {"max_model_len": 1024}
+# prompt + response the tests send (the longest, 400 tokens after a short prompt); the tests
+# load weight files from their temporary folders.
+TEST_ENGINE_SETTINGS: dict[str, Any] = {
+    "max_model_len": 1024,
+    "load_dirs": [Path(tempfile.gettempdir())],
+}
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 

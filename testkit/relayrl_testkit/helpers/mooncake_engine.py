@@ -47,7 +47,9 @@ def worker_rpc(engine: EngineProcess, method: str, payload: dict[str, Any]) -> l
 
 
 def main(model_dir: Path, workdir: Path) -> dict[str, Any]:
-    config = EngineConfig(model=model_dir, max_model_len=512, cache_dir=workdir / "cache")
+    config = EngineConfig(
+        model=model_dir, max_model_len=512, cache_dir=workdir / "cache", load_dirs=[workdir]
+    )
     engine = EngineProcess(config, workdir / "engine").start()
     try:
         service_config = {

@@ -157,10 +157,56 @@ def _wrong_callers(
 
 
 def knock_on_run(run_dir: Path) -> TrustReport:
-    """`knock_everywhere` on the services of a running `relayrl up` run, with its own tokens."""
+    """`knock_everywhere` on the services of a running `relayrl up` run, with its own tokens,
+    and `knock_on_engine` on its engines."""
     from relayrl.up.secrets import PRINCIPALS, token_path
 
     children = json.loads((run_dir / "stack.json").read_text())["children"]
     targets = {name: children[name]["target"] for name in ACCESS}
     tokens = {p: token_path(run_dir, p).read_text().strip() for p in PRINCIPALS}
-    return knock_everywhere(targets, tokens)
+    report = knock_everywhere(targets, tokens)
+    for name, child in children.items():
+        if name.startswith("engine-"):
+            report.knocks += knock_on_engine(child["url"], tokens).knocks
+    return report
+
+
+ENGINE_PATHS = (
+    ("POST", "/collective_rpc"), ("POST", "/update_weight_version"), ("POST", "/pause"),
+    ("POST", "/resume"), ("POST", "/reset_prefix_cache"), ("GET", "/is_paused"),
+    ("GET", "/weight_info"), ("POST", "/abort_requests"), ("POST", "/inference/v1/generate"),
+    ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/sleep"),
+    ("POST", "/tokenize"),
+)  # fmt: skip
+"""Routes of an engine (relayrl.engine.guard's table and some it serves to nobody)."""
+
+
+def knock_on_engine(url: str, tokens: Mapping[str, str]) -> TrustReport:
+    """Every route of ENGINE_PATHS called without credentials, with an unknown token and as
+    each principal of `tokens` whose role the engine guard does not allow there; an answer
+    other than 401/403 is an accepted call (recorded as its HTTP status)."""
+    import urllib.error
+    import urllib.request
+
+    from relayrl.engine.guard import allowed_roles
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    report = TrustReport()
+    for method, path in ENGINE_PATHS:
+        allowed = allowed_roles(path)
+        callers = [("anonymous", None), ("unknown token", secrets.token_urlsafe(32))]
+        callers += [(p, t) for p, t in tokens.items() if p not in allowed]
+        for caller, token in callers:
+            headers = {"content-type": "application/json"}
+            if token is not None:
+                headers["authorization"] = f"Bearer {token}"
+            body = b"{}" if method == "POST" else None
+            request = urllib.request.Request(url + path, data=body, method=method, headers=headers)
+            try:
+                with opener.open(request, timeout=30) as response:
+                    status = response.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            name = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED"}.get(status, f"HTTP_{status}")
+            report.knocks.append(Knock("engine", path, caller, name))
+    return report

@@ -142,6 +142,9 @@ def test_bad_requests_are_rejected_and_a_dead_engine_is_unavailable(
             await client.generate(request(prompt=(10**6,)))  # not in the vocabulary
         with pytest.raises(ValueError, match="not a relayrl worker-extension method"):
             await client.worker_rpc("reset_weights", {})
+        # a file outside the model folder and the engine's load_dirs is never read
+        with pytest.raises(EngineUnavailable, match="outside the model folder"):
+            await client.worker_rpc("relayrl_load_tensors", {"path": "/etc/passwd"})
         assert await client.health()
         dead = VllmEngineClient(f"http://127.0.0.1:{free_port()}")
         try:
