@@ -8,7 +8,8 @@ YAML principal -> token or `sha256:<hex>`, the services' tokens file) names them
 route is allowed to some roles (a principal's role is its name):
 
     weightsync     loads weights (/collective_rpc), labels the version, pauses and resumes
-    gateway        generates (/inference, /v1), pauses, resumes, aborts requests
+    gateway        generates (/inference, /v1), pauses, resumes (labelling the version it
+                   routes to), aborts requests
     operator       generates (evaluation) and reads the weight label
 
 Health and metrics stay open (probes, Prometheus); every other route is refused to everyone.
@@ -34,7 +35,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
 # (path, or prefix ending in "/") -> the roles allowed
 ROUTES: tuple[tuple[str, frozenset[str]], ...] = (
     ("/collective_rpc", frozenset({WEIGHTSYNC})),
-    ("/update_weight_version", frozenset({WEIGHTSYNC})),
+    ("/update_weight_version", frozenset({WEIGHTSYNC, GATEWAY})),
     ("/reset_prefix_cache", frozenset({WEIGHTSYNC, GATEWAY})),
     ("/pause", frozenset({WEIGHTSYNC, GATEWAY})),
     ("/resume", frozenset({WEIGHTSYNC, GATEWAY})),
