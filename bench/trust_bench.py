@@ -145,11 +145,12 @@ def main() -> int:
             )
         limit = AgentHttpConfig.model_fields["max_request_bytes"].default
         reports.append(
-            fuzz_http(
+            fuzz_http(  # as an agent: most cases name sessions it did not open (403, 404)
                 agent_url,
                 per_route=math.ceil(args.cases / len(AGENT_ROUTES)),
                 seed=args.seed,
                 max_request_bytes=limit,
+                headers={"Authorization": f"Bearer {tokens['agent']}"},
             )
         )
 

@@ -15,10 +15,12 @@ from prometheus_client import CollectorRegistry
 
 from relayrl.conversation.tools import ToolTable
 from relayrl.core.access import GATEWAY_ACCESS
-from relayrl.core.config import load_client_token
+from relayrl.core.config import RolesConfig, load_client_token
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
+from relayrl.core.interceptors import build_authenticator
 from relayrl.core.replicas import static_replica_ids
 from relayrl.gateway.agent_http import AgentHttpServer, AgentSessions
+from relayrl.gateway.agent_http.access import AgentAccess
 from relayrl.gateway.agents import AgentContext, build_agent_loops
 from relayrl.gateway.config import GatewayConfig
 from relayrl.gateway.discovery import EndpointSliceDiscovery
@@ -117,7 +119,9 @@ class GatewayApp:
                 request_timeout_s=engines.request_timeout_s,
                 policy_step=self.policy_step,
             )
-            self.agent_http = AgentHttpServer(self.sessions, config.agent_http)
+            self.agent_http = AgentHttpServer(
+                self.sessions, config.agent_http, self._agent_access(self.sessions)
+            )
         served = list(config.rollout.partitions)
         if config.agent_http.enabled:
             served.append(config.agent_http.partition)
@@ -156,6 +160,16 @@ class GatewayApp:
             max_response_tokens=group.sampling.max_response_tokens or rollout.max_response_tokens,
             tools=self.tools,
         )
+
+    def _agent_access(self, sessions: AgentSessions) -> AgentAccess | None:
+        """With `auth:`, the agent endpoint checks the same callers as the gRPC service (an
+        agent opens sessions with its token; each session gets its own)."""
+        authenticator = build_authenticator(self.config.auth)
+        if authenticator is None:
+            return None
+        auth = self.config.auth
+        roles_of = auth.roles_of if isinstance(auth, RolesConfig) else None
+        return AgentAccess(authenticator, sessions.tokens, *([roles_of] if roles_of else []))
 
     def engine_client(self, url: str) -> VllmEngineClient:
         """A client of the replica at `url`, calling with the gateway's engine token."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
+from relayrl.core.interceptors import current_principal
 from relayrl.gateway.agent_http import (
     AgentError,
     AgentSessions,
@@ -195,6 +196,9 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
             index=session.index,
             base_path=f"/sessions/{session.session_id}/v1",
             agent_http_port=self._agent_http_port(),
+            token=sessions.tokens.mint(session.session_id, principal.name)
+            if (principal := current_principal()) is not None
+            else "",
         )
 
     async def CloseSession(

@@ -25,9 +25,11 @@ import grpc
 import openai
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from relayrl.core.grpc_client import make_channel
+from relayrl.core.interceptors import token_digest
 from relayrl.core.service_process import ServiceProcess
 from relayrl.engine.process import EngineProcess
 from relayrl.gateway.agent_http import (
@@ -610,6 +612,92 @@ def test_an_idle_session_is_aborted_as_infra(
     (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [key])
     assert trajectory.tags.is_infra and "idle" in trajectory.error
     tq.close()
+
+
+def test_with_auth_an_agent_opens_sessions_and_each_session_answers_only_its_own_token(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    tokens = {p: f"{p}-token-{'x' * 24}" for p in ("agent", "operator", "other-agent")}
+    tokens_file = tmp_path / "tokens.yaml"
+    tokens_file.write_text(json.dumps({p: token_digest(t) for p, t in tokens.items()}))
+    auth = {
+        "type": "static_token",
+        "tokens_file": str(tokens_file),
+        "roles": {"other-agent": ["agent"]},
+    }
+    process = gateway(redis_server, model_dir, [engine.url], tmp_path / "gw")
+    process.config_path.write_text(
+        yaml.safe_dump(yaml.safe_load(process.config_path.read_text()) | {"auth": auth})
+    )
+
+    def bearer(token: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token}"}
+
+    async def main(gw: Gateway) -> None:
+        status, body = await gw.post("/sessions")
+        assert status == 401 and body["error"]["type"] == "authentication_error", body
+        status, body = await gw.post("/sessions", headers=bearer(tokens["operator"]))
+        assert status == 403 and "agent role" in body["error"]["message"], body
+        status, first = await gw.post("/sessions", headers=bearer(tokens["agent"]))
+        assert status == 201 and first["token"], first
+        status, second = await gw.post("/sessions", headers=bearer(tokens["other-agent"]))
+        assert status == 201 and second["token"] not in (None, first["token"])
+        one = first["session_id"]
+        agent = openai.AsyncOpenAI(
+            base_url=f"{gw.http}/sessions/{one}/v1", api_key=first["token"], max_retries=0
+        )
+        reply = await agent.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert reply.choices[0].message is not None
+        assert [m.id async for m in agent.models.list()] == [MODEL]
+        for key, error in (
+            ("x" * 30, openai.AuthenticationError),
+            (second["token"], openai.PermissionDeniedError),
+        ):
+            stranger = openai.AsyncOpenAI(
+                base_url=f"{gw.http}/sessions/{one}/v1", api_key=key, max_retries=0
+            )
+            with pytest.raises(error):
+                await stranger.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+                )
+        # the opener manages its session with its own token; another agent may not
+        async with aiohttp.ClientSession(trust_env=False) as http:
+            async with http.get(f"{gw.http}/sessions/{one}", headers=bearer(tokens["agent"])) as r:
+                assert r.status == 200
+            url = f"{gw.http}/sessions/{one}/abort"
+            async with http.post(url, headers=bearer(tokens["other-agent"])) as r:
+                assert r.status == 403
+        status, body = await gw.post(f"/sessions/{one}/close", headers=bearer(first["token"]))
+        assert status == 200, body
+
+    with process:
+        gw = Gateway(process)
+        asyncio.run(main(gw))
+
+        async def over_grpc() -> rollout_pb2.OpenSessionResponse:
+            async with make_channel(
+                process.target, default_timeout_s=30, bearer_token=tokens["agent"]
+            ) as channel:
+                return await rollout_pb2_grpc.RolloutGatewayStub(channel).OpenSession(
+                    rollout_pb2.OpenSessionRequest()
+                )
+
+        opened = asyncio.run(over_grpc())
+        assert opened.token
+
+        async def state() -> int:
+            async with (
+                aiohttp.ClientSession(trust_env=False) as http,
+                http.get(
+                    f"{gw.http}/sessions/{opened.session_id}",
+                    headers={"Authorization": f"Bearer {opened.token}"},
+                ) as response,
+            ):
+                return response.status
+
+        assert asyncio.run(state()) == 200
 
 
 # --- in process: cancellation and engine failures -------------------------------------------

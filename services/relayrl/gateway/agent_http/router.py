@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
+from relayrl.gateway.agent_http.access import AgentAccess, Refusal
 from relayrl.gateway.agent_http.errors import AgentError, ErrorKind, invalid
 from relayrl.gateway.agent_http.protocol import (
     AbortSessionRequest,
@@ -84,6 +85,11 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> dict[st
     return body
 
 
+def _refused(refusal: Refusal) -> web.Response:
+    kind = "authentication_error" if refusal.status == 401 else "permission_error"
+    return _json(ErrorResponse.plain(refusal.message, kind), refusal.status)
+
+
 def _session_id(request: web.Request) -> str:
     in_path = request.match_info.get("session_id")
     in_header = request.headers.get(SESSION_HEADER)
@@ -111,11 +117,18 @@ async def _event_stream(request: web.Request, chunks: Iterator[BaseModel]) -> we
 
 
 class AgentHttpServer:
-    """The aiohttp server in the gateway's event loop."""
+    """The aiohttp server in the gateway's event loop; with `access`, every route but the
+    open one needs a token (relayrl.gateway.agent_http.access)."""
 
-    def __init__(self, sessions: AgentSessions, config: AgentHttpConfig) -> None:
+    def __init__(
+        self,
+        sessions: AgentSessions,
+        config: AgentHttpConfig,
+        access: AgentAccess | None = None,
+    ) -> None:
         self._sessions = sessions
         self._config = config
+        self._access = access
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
 
@@ -127,7 +140,8 @@ class AgentHttpServer:
 
     def application(self) -> web.Application:
         app = web.Application(
-            client_max_size=self._config.max_request_bytes, middlewares=[openai_errors]
+            client_max_size=self._config.max_request_bytes,
+            middlewares=[openai_errors, self._authenticated],
         )
         routes = [
             web.post("/sessions", self.open_session),
@@ -168,9 +182,28 @@ class AgentHttpServer:
             await self._runner.cleanup()
             self._runner = None
 
+    @web.middleware
+    async def _authenticated(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """401 / 403 unless the request's token may call its route (no check without
+        `access`). Opening a session is checked in its handler, which needs the opener."""
+        if self._access is None or request.match_info.http_exception is not None:
+            return await handler(request)  # no authentication, or no such route: 404 / 405
+        if request.path == "/sessions" and request.method == "POST":
+            return await handler(request)
+        session_id = request.match_info.get("session_id") or request.headers.get(SESSION_HEADER)
+        refusal = self._access.check(request.headers.get("Authorization"), session_id)
+        if refusal is not None:
+            return _refused(refusal)
+        return await handler(request)
+
     # -- lifecycle routes --------------------------------------------------------------------
 
     async def open_session(self, request: web.Request) -> web.Response:
+        opener = None
+        if self._access is not None:
+            opener = self._access.opener(request.headers.get("Authorization"))
+            if isinstance(opener, Refusal):
+                return _refused(opener)
         body = parse(OpenSessionRequest, await _json_body(request, optional=True))
         session = await self._sessions.open(body.to_domain())
         opened = SessionOpened(
@@ -179,6 +212,9 @@ class AgentHttpServer:
             uid=session.uid,
             index=session.index,
             base_path=f"/sessions/{session.session_id}/v1",
+            token=self._sessions.tokens.mint(session.session_id, opener)
+            if self._access is not None
+            else None,
         )
         return _json(opened, status=201)
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from relayrl.gateway.agent_http.access import SessionTokens
 from relayrl.gateway.agent_http.conversations import Conversation, TurnPlan, build_conversations
 from relayrl.gateway.agent_http.domain import (
     ChatRequest,
@@ -100,6 +101,7 @@ class AgentSessions:
         self._maintenance: asyncio.Task[None] | None = None
         self._closed = False
         self.counts = {"opened": 0, "finished": 0, "failed": 0, "discarded": 0}
+        self.tokens = SessionTokens()  # each session's own bearer token (agent_http.access)
 
     @property
     def num_open(self) -> int:

@@ -62,6 +62,7 @@ class SessionOpened(Answer):
     uid: str
     index: int
     base_path: str
+    token: str | None = None  # the session's own bearer token (when the gateway authenticates)
 
 
 class SessionState(Answer):
