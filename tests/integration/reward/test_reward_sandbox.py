@@ -13,6 +13,8 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -525,3 +527,56 @@ def test_close_kills_running_sandboxes_and_refuses_new_items() -> None:
 
     pid = run(body, time_limit_s=30.0)
     assert isinstance(pid, int) and gone(pid)
+
+
+_WITHOUT_NETNS = """
+import asyncio, json, sys
+from relayrl.reward.items import InfraError, RewardItem
+from relayrl.reward.managers.base import ManagerContext
+from relayrl.reward.managers.sandbox import SandboxConfig
+
+async def main():
+    config = SandboxConfig.model_validate(json.loads(sys.argv[1]))
+    manager = config.build("sandbox", ManagerContext())
+    item = RewardItem(item_id="i1", response=sys.argv[2], extra={"tests": sys.argv[3]})
+    try:
+        verdict = await manager.score(item)
+        layers = list(await manager.isolation_layers())
+        print(json.dumps({"score": verdict.score, "layers": layers}))
+    except InfraError as exc:
+        print(json.dumps({"infra": str(exc)}))
+    finally:
+        await manager.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+@pytest.mark.parametrize("required", [True, False])
+def test_without_a_network_namespace_candidate_code_does_not_run_unless_allowed(
+    required: bool,
+) -> None:
+    """A service whose capabilities do not include CAP_SYS_ADMIN (as a pod with capabilities
+    dropped) cannot make a private network namespace: every item is INFRA_ERROR saying why,
+    and the candidate's code never runs, unless require_network_isolation is false."""
+    settings = {
+        "type": "sandbox",
+        "time_limit_s": 5.0,
+        "memory_limit_bytes": 256 * MIB,
+        "require_network_isolation": required,
+    }
+    done = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c",
+         _WITHOUT_NETNS, json.dumps(settings), DOUBLE, DOUBLE_TESTS],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if required:
+        assert "no private network namespace" in result["infra"], result
+        assert "candidate code does not run without one" in result["infra"]
+    else:
+        assert result["score"] == 1.0 and "netns" not in result["layers"], result

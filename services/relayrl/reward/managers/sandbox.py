@@ -35,8 +35,9 @@ Isolation layers (the harness reports which were active; `isolation_layers()` as
   cancellation and `close()`; the child is always reaped.
 - rlimits: CPU, address space, file size, open files, no core dumps.
 - `netns` (private network namespace) as root, or `userns+netns` as another user where user
-  namespaces are allowed. Where neither works, a warning is logged once and only the audit
-  guard keeps the code off the network.
+  namespaces are allowed. Where neither works the item fails as INFRA_ERROR, saying why,
+  and no candidate code runs; only with `require_network_isolation: false` does it run with
+  the audit guard alone keeping it off the network (a warning is logged once).
 - `uid:N`: as root, each concurrent sandbox slot runs as its own uid/gid
   (`sandbox_uid_base + slot`), which makes RLIMIT_NPROC (`nproc`) block fork and threads, keeps
   concurrent candidates out of each other's work dirs and processes, and stops writes to
@@ -178,6 +179,13 @@ class SandboxConfig(ManagerConfigBase):
         True,
         description="Give the child a private network namespace and block socket use in the "
         "audit guard; false leaves the network reachable (trusted code only).",
+    )
+    require_network_isolation: bool = Field(
+        True,
+        description="With isolate_network: where the kernel refuses a private network "
+        "namespace (a non-root pod whose runtime forbids user namespaces), every item fails "
+        "as INFRA_ERROR saying why instead of running; false runs the code with the audit "
+        "guard alone between it and the network (trusted code only; a warning is logged).",
     )
     audit_guard: bool = Field(
         True,
@@ -568,6 +576,7 @@ class SandboxManager(RewardManager):
             "gid": uid,
             "parent_pid": os.getpid(),
             "isolate_network": config.isolate_network,
+            "require_network_isolation": config.require_network_isolation,
             "audit_guard": config.audit_guard,
             "cpu_limit_s": config.effective_cpu_limit_s,
             "memory_limit_bytes": config.memory_limit_bytes,

@@ -291,9 +291,10 @@ def set_limit(which: int, soft: int, hard: int | None = None) -> None:
 
 def harden(job: dict[str, Any], libc: Libc) -> tuple[list[str], list[str]]:
     """Apply every OS layer the job asks for; returns (active layers, warnings). A network
-    namespace the kernel refuses is a warning (the manager logs it; the audit guard still
-    blocks sockets); any other layer failing raises, so the run never goes ahead weaker than
-    configured without anyone knowing."""
+    namespace the kernel refuses (a non-root pod whose runtime forbids user namespaces)
+    raises unless the job allows running without one (`require_network_isolation: false`:
+    then it is a warning and the audit guard alone blocks sockets); any other layer failing
+    raises, so the run never goes ahead weaker than configured without anyone knowing."""
     layers: list[str] = []
     warnings: list[str] = []
     uid, gid = job["uid"], job["gid"]
@@ -301,6 +302,12 @@ def harden(job: dict[str, Any], libc: Libc) -> tuple[list[str], list[str]]:
         layer, problem = isolate_network(libc)
         if layer is not None:
             layers.append(layer)
+        elif job.get("require_network_isolation", True):
+            raise RuntimeError(
+                f"no private network namespace ({problem}); candidate code does not run "
+                "without one: run the reward-service as root or where user namespaces are "
+                "allowed, or set sandbox require_network_isolation: false (trusted code only)"
+            )
         else:
             warnings.append(f"no private network namespace ({problem})")
     if uid is not None:
