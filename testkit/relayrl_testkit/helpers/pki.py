@@ -32,3 +32,13 @@ def make_cert(directory: Path, ca: str, name: str, san: str | None = None) -> No
         "-CAcreateserial", "-days", "2", "-out", f"{name}.crt", "-extfile", extensions.name,
         cwd=directory,
     )  # fmt: skip
+
+
+def mutual_tls_server(directory: Path, name: str = "server", ca: str = "ca") -> dict[str, object]:
+    """A service's `grpc.tls` section for mutual TLS with `<name>.crt` signed by `ca`."""
+    return {
+        "cert_file": str(directory / f"{name}.crt"),
+        "key_file": str(directory / f"{name}.key"),
+        "client_ca_file": str(directory / f"{ca}.crt"),
+        "require_client_cert": True,
+    }

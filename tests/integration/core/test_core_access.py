@@ -29,7 +29,7 @@ from relayrl.proto.rollout.v1 import rollout_pb2_grpc
 from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from relayrl.proto.weightsync.v1 import weightsync_pb2, weightsync_pb2_grpc
 from relayrl_testkit.helpers.fuzz import Case, send
-from relayrl_testkit.helpers.pki import make_ca, make_cert
+from relayrl_testkit.helpers.pki import make_ca, make_cert, mutual_tls_server
 from relayrl_testkit.helpers.trust import (
     call,
     empty_request,
@@ -202,29 +202,17 @@ def test_minted_tokens_are_good_for_their_role_until_revoked_or_expired(tmp_path
         serve_all_four(tmp_path, minted=minted) as server,
         grpc.insecure_channel(server.target) as channel,
     ):
-        stub = weightsync_pb2_grpc.WeightSyncStub(channel)
+        methods = service_descriptors()["weightsync"].methods_by_name
+
+        def status(method: str, token: str) -> grpc.StatusCode:
+            metadata = [("authorization", f"Bearer {token}")]
+            return call(channel, methods[method], empty_request(methods[method]), metadata)
 
         def plan(token: str) -> grpc.StatusCode:
-            try:
-                stub.GetBucketPlan(
-                    weightsync_pb2.GetBucketPlanRequest(),
-                    timeout=5,
-                    metadata=[("authorization", f"Bearer {token}")],
-                )
-            except grpc.RpcError as exc:
-                return exc.code()
-            return grpc.StatusCode.OK
+            return status("GetBucketPlan", token)
 
         def publish(token: str) -> grpc.StatusCode:
-            try:
-                stub.Publish(
-                    weightsync_pb2.PublishRequest(),
-                    timeout=5,
-                    metadata=[("authorization", f"Bearer {token}")],
-                )
-            except grpc.RpcError as exc:
-                return exc.code()
-            return grpc.StatusCode.OK
+            return status("Publish", token)
 
         token = minted.mint(ENGINE, ttl_s=60)
         assert plan(token) == grpc.StatusCode.UNIMPLEMENTED
@@ -252,14 +240,7 @@ def test_client_sections_carry_tls_and_the_callers_token(pki: Path, tmp_path: Pa
     server_config = ServiceConfig.model_validate(
         {
             "metrics": {"enabled": False},
-            "grpc": {
-                "tls": {
-                    "cert_file": str(pki / "server.crt"),
-                    "key_file": str(pki / "server.key"),
-                    "client_ca_file": str(pki / "ca.crt"),
-                    "require_client_cert": True,
-                }
-            },
+            "grpc": {"tls": mutual_tls_server(pki)},
             "auth": {"type": "static_token", "tokens_file": str(tokens_file)},
         }
     )

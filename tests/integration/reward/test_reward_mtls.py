@@ -13,7 +13,7 @@ import pytest
 from relayrl.core.grpc_client import make_channel, tls_credentials
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
-from relayrl_testkit.helpers.pki import make_ca, make_cert
+from relayrl_testkit.helpers.pki import make_ca, make_cert, mutual_tls_server
 from relayrl_testkit.helpers.reward import RewardProcess
 
 
@@ -32,14 +32,7 @@ def pki(tmp_path: Path) -> Path:
 
 def test_mutual_tls_names_the_tenant_by_certificate(pki: Path, tmp_path: Path) -> None:
     config: dict[str, Any] = {
-        "grpc": {
-            "tls": {
-                "cert_file": str(pki / "server.crt"),
-                "key_file": str(pki / "server.key"),
-                "client_ca_file": str(pki / "ca.crt"),
-                "require_client_cert": True,
-            }
-        },
+        "grpc": {"tls": mutual_tls_server(pki)},
         "auth": {"type": "mtls", "principals": ["team-a"]},
         "managers": {"rules": {"type": "naive"}},
         "default_manager": "rules",
