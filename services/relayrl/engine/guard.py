@@ -12,7 +12,8 @@ route is allowed to some roles (a principal's role is its name):
                    routes to), aborts requests
     operator       generates (evaluation) and reads the weight label
 
-Health and metrics stay open (probes, Prometheus); every other route is refused to everyone.
+Health and metrics stay open (probes, Prometheus); every other route is refused to everyone,
+and /collective_rpc runs only relayrl's own worker methods (`relayrl_*`), whoever calls.
 A missing or unknown token is 401 and a caller in the wrong role 403, both in OpenAI's error
 shape. Without the variable the guard is not installed (relayrl.engine.launcher).
 """
@@ -93,11 +94,68 @@ class EngineGuard:
             who = ", ".join(sorted(roles)) or "no caller"
             await _refuse(send, 403, f"{path} is for {who}; {principal.name!r} may not call it")
             return
+        if path == "/collective_rpc":
+            body = await _read_body(receive)
+            if body is None or (method := _rpc_method(body)) is None:
+                await _refuse(send, 400, "/collective_rpc: the body must be JSON naming a method")
+                return
+            if not method.startswith(WORKER_METHOD_PREFIX):
+                message = f"/collective_rpc: only relayrl's worker methods, not {method[:100]!r}"
+                await _refuse(send, 403, message)
+                return
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
 
+WORKER_METHOD_PREFIX = "relayrl_"
+"""/collective_rpc runs any method of the workers by name; only relayrl's worker extension's
+(relayrl.engine.worker_extension) are let through, whoever calls."""
+MAX_RPC_BODY_BYTES = 1 << 20
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body (None past MAX_RPC_BODY_BYTES)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_RPC_BODY_BYTES:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _rpc_method(body: bytes) -> str | None:
+    try:
+        method = json.loads(body).get("method")
+    except (ValueError, AttributeError):
+        return None
+    return method if isinstance(method, str) else None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the body already read, then the server's own (which
+    reports the client's disconnect when it comes)."""
+    sent = False
+
+    async def replayed() -> MutableMapping[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
 async def _refuse(send: Send, status: int, message: str) -> None:
-    kind = "authentication_error" if status == 401 else "permission_error"
+    kinds = {401: "authentication_error", 403: "permission_error"}
+    kind = kinds.get(status, "invalid_request_error")
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
     await send(
         {

@@ -21,13 +21,17 @@ TOKENS = {
 }
 
 
-def call(guard: EngineGuard, path: str, token: str | None) -> tuple[int, Any]:
+def call(guard: EngineGuard, path: str, token: str | None, body: bytes = b"") -> tuple[int, Any]:
     sent: list[dict[str, Any]] = []
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
     scope = {"type": "http", "path": path, "method": "POST", "headers": headers}
+    if path == "/collective_rpc" and not body:
+        body = b'{"method": "relayrl_ping", "args": ["{}"]}'
+    chunks = [body[:5], body[5:]]
 
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b""}
+        chunk = chunks.pop(0) if chunks else b""
+        return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
@@ -38,8 +42,17 @@ def call(guard: EngineGuard, path: str, token: str | None) -> tuple[int, Any]:
 
 
 async def app(scope: Any, receive: Any, send: Any) -> None:
+    """Reached: answers with the request body it reads (as a JSON string)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
     await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b'{"reached": true}'})
+    await send(
+        {"type": "http.response.body", "body": json.dumps({"reached": body.decode()}).encode()}
+    )
 
 
 @pytest.fixture
@@ -62,7 +75,7 @@ def test_each_route_serves_only_its_roles(guard: EngineGuard) -> None:
 
 
 def test_probes_are_open_and_unknown_routes_closed_to_everyone(guard: EngineGuard) -> None:
-    assert call(guard, "/health", None) == (200, {"reached": True})
+    assert call(guard, "/health", None) == (200, {"reached": ""})
     assert call(guard, "/metrics", None)[0] == 200
     for path in ("/sleep", "/collective_rpc/", "//collective_rpc", "/tokenize", "/inference"):
         assert allowed_roles(path) == frozenset()
@@ -82,3 +95,16 @@ def test_a_bad_callers_file_is_a_config_error(
     monkeypatch.setenv(CALLERS_ENV, str(callers))
     with pytest.raises(ConfigError, match="token of 'gateway' must be at least 16"):
         EngineGuard(app)
+
+
+def test_collective_rpc_runs_only_relayrls_worker_methods(guard: EngineGuard) -> None:
+    weightsync = TOKENS["weightsync"]
+    ping = b'{"method": "relayrl_ping", "args": ["{}"]}'
+    assert call(guard, "/collective_rpc", weightsync, ping) == (200, {"reached": ping.decode()})
+    status, body = call(guard, "/collective_rpc", weightsync, b'{"method": "shutdown"}')
+    assert (
+        status == 403
+        and "only relayrl's worker methods, not 'shutdown'" in body["error"]["message"]
+    )
+    for bad in (b"not json", b'{"method": 5}', b"[]"):
+        assert call(guard, "/collective_rpc", weightsync, bad)[0] == 400, bad
