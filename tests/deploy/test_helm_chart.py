@@ -532,6 +532,7 @@ def test_service_config_validation_catches_a_bad_config(
         (["--set", "training.mode=sync"], "training.mode sync needs training.eta 0"),
         (["--set", "trainer.replicas=3"], "must equal it"),
         (["--set", "redis.enabled=false"], "redis.external.url is required"),
+        (["--set", "tls.services={weightsync}"], "weight-sync cannot serve TLS yet"),
         (["--set", "data.trainFiles={train.jsonl}"], "data.trainFiles needs data.volume"),
         (
             [
@@ -815,3 +816,42 @@ def test_notes_warn_about_open_access(
     found = [line for line in notes.splitlines() if line.startswith("WARNING")]
     assert len(found) == len(warnings) and all(w in f for w, f in zip(warnings, found, strict=True))
     assert ("-identities" in manifests) == ("security.authenticate=false" not in args)
+
+
+def test_callers_of_a_tls_gateway_dial_it_over_tls_with_the_mounted_ca(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["tls"]
+    configs = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: yaml.safe_load(
+            d["data"]["config.yaml"]
+        )
+        for d in docs
+        if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})
+    }
+    for caller in ("trainer", "weightsync"):
+        tls = configs[caller]["gateway"]["tls"]
+        assert tls == {
+            "ca_file": "/etc/relayrl/peer-tls/ca.crt",
+            "cert_file": "/etc/relayrl/peer-client/tls.crt",
+            "key_file": "/etc/relayrl/peer-client/tls.key",
+        }, caller
+        pod = next(
+            d["spec"]["template"]["spec"]
+            for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")
+            and d["metadata"]["labels"]["app.kubernetes.io/component"] == caller
+        )
+        mounts = {m["name"]: m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}
+        assert mounts["peer-tls"] == "/etc/relayrl/peer-tls", caller
+        assert mounts["peer-client"] == "/etc/relayrl/peer-client", caller
+    assert "tls" not in configs["gateway"]["weightsync"]  # weight-sync serves plaintext
+    # the default install dials the gateway in plaintext
+    default = next(
+        yaml.safe_load(d["data"]["config.yaml"])
+        for d in rendered["default"]
+        if d["kind"] == "ConfigMap"
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"
+        and "config.yaml" in d.get("data", {})
+    )
+    assert "tls" not in default["gateway"]

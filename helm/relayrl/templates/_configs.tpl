@@ -70,7 +70,7 @@ weightsync:
 {{- if ne $w.transport "grpc" }}
 {{- $base = printf "%s\n  rendezvous_port: %d" $base (int $w.rendezvousPort) }}
 {{- end }}
-{{- $base = printf "%s\ngateway:\n  target: %s%s" $base (include "relayrl.grpcTarget" (dict "root" . "component" "gateway")) (include "relayrl.identityToken" (dict "root" . "principal" "weightsync")) }}
+{{- $base = printf "%s\ngateway:\n  target: %s%s%s" $base (include "relayrl.grpcTarget" (dict "root" . "component" "gateway")) (include "relayrl.identityToken" (dict "root" . "principal" "weightsync")) (include "relayrl.peerTls" (dict "root" . "component" "gateway")) }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" $w.config) }}
 {{- end }}
 
@@ -133,6 +133,7 @@ publish:
 gateway:
   target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "gateway") }}
   {{- include "relayrl.identityToken" (dict "root" . "principal" "trainer") }}
+  {{- include "relayrl.peerTls" (dict "root" . "component" "gateway") }}
 total_steps: {{ .Values.training.totalSteps }}` .) }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" $tr.config) }}
 {{- end }}
@@ -182,6 +183,9 @@ callers_file: /etc/relayrl/identity/tokens.yaml
 {{- end }}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) }}
 {{- fail "redis.external.url is required when redis.enabled is false" }}
+{{- end }}
+{{- if has "weightsync" .Values.tls.services }}
+{{- fail "tls.services: weight-sync cannot serve TLS yet (the engines' workers pull from it without a CA); list reward, trainer and/or gateway" }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.existingSecret is required when tls.enabled is true (a kubernetes.io/tls Secret with ca.crt)" }}

@@ -98,6 +98,56 @@ helm.sh/chart: {{ include "relayrl.chart" .root }}
 {{- if and $tls.enabled (has .component $tls.services) }}true{{ end }}
 {{- end }}
 
+{{/* The `tls:` lines of a client section dialling `component` (nothing when it serves
+     plaintext), with their leading newline: dict {root, component}. */}}
+{{- define "relayrl.peerTls" -}}
+{{- if include "relayrl.tlsOn" . }}
+{{- printf "\n  tls:\n    ca_file: /etc/relayrl/peer-tls/ca.crt" }}
+{{- if .root.Values.tls.mutual }}
+{{- printf "\n    cert_file: /etc/relayrl/peer-client/tls.crt\n    key_file: /etc/relayrl/peer-client/tls.key" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* What a pod that dials a TLS peer mounts: the CA (and the client certificate under mutual
+     TLS). dict {root, peers: list of components it dials} */}}
+{{- define "relayrl.peerTlsVolumes" -}}
+{{- $root := .root }}
+{{- $any := false }}
+{{- range .peers }}{{ if include "relayrl.tlsOn" (dict "root" $root "component" .) }}{{ $any = true }}{{ end }}{{ end }}
+{{- if $any }}
+- name: peer-tls
+  secret:
+    secretName: {{ include "relayrl.tlsSecret" $root }}
+    defaultMode: 0440
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- if $root.Values.tls.mutual }}
+- name: peer-client
+  secret:
+    secretName: {{ $root.Values.tls.clientSecret | default (include "relayrl.tlsSecret" $root) }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "relayrl.peerTlsMounts" -}}
+{{- $root := .root }}
+{{- $any := false }}
+{{- range .peers }}{{ if include "relayrl.tlsOn" (dict "root" $root "component" .) }}{{ $any = true }}{{ end }}{{ end }}
+{{- if $any }}
+- name: peer-tls
+  mountPath: /etc/relayrl/peer-tls
+  readOnly: true
+{{- if $root.Values.tls.mutual }}
+- name: peer-client
+  mountPath: /etc/relayrl/peer-client
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "relayrl.tlsSecret" -}}
 {{- required "tls.existingSecret is required when tls.enabled is true (a kubernetes.io/tls Secret with ca.crt)" .Values.tls.existingSecret }}
 {{- end }}
