@@ -63,14 +63,25 @@ def report(smoke: ChartSmoke) -> str:
     return "\n".join(lines)
 
 
-def trainer_step(port: int) -> tuple[int, str, int]:
+def operator_token(smoke: ChartSmoke) -> str:
+    """The operator's token from the chart's identities Secret (GetStatus is an operator's)."""
+    secret = next(
+        o for o in smoke.objects
+        if o["kind"] == "Secret" and o["metadata"]["name"] == f"{FULLNAME}-identities"
+    )  # fmt: skip
+    return str(secret["stringData"]["operator.token"])
+
+
+def trainer_step(port: int, token: str) -> tuple[int, str, int]:
     import grpc
 
     from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         status = trainer_pb2_grpc.TrainerStub(channel).GetStatus(
-            trainer_pb2.GetStatusRequest(), timeout=10
+            trainer_pb2.GetStatusRequest(),
+            timeout=10,
+            metadata=[("authorization", f"Bearer {token}")],
         )
     return (
         status.step,
@@ -138,11 +149,15 @@ def test_cpu_demo_chart_runs_and_every_probe_passes(cpu_demo, local_root, capsys
             time.sleep(2)
         groups = tq_groups(smoke)
         assert groups.get("consumed", 0) >= 1, f"{groups}\n{report(smoke)}"
-        step, state, version = trainer_step(smoke.local_port("trainer", "grpc"))
+        step, state, version = trainer_step(
+            smoke.local_port("trainer", "grpc"), operator_token(smoke)
+        )
         deadline = time.monotonic() + FIRST_STEP_CAP_S
         while version < 1 and state != "TRAINER_STATE_FAILED" and time.monotonic() < deadline:
             time.sleep(2)
-            step, state, version = trainer_step(smoke.local_port("trainer", "grpc"))
+            step, state, version = trainer_step(
+                smoke.local_port("trainer", "grpc"), operator_token(smoke)
+            )
         groups = tq_groups(smoke)
 
         # Still live after the pipeline has run.
