@@ -45,7 +45,6 @@ from relayrl.core.config import (
     ConfigError,
     GrpcServerConfig,
     MetricsConfig,
-    RolesConfig,
     ServiceConfig,
     StaticTokenAuthConfig,
     TlsServerConfig,
@@ -55,6 +54,7 @@ from relayrl.core.interceptors import (
     AnyOfAuthenticator,
     Authenticator,
     build_authenticator,
+    roles_function,
     server_interceptors,
 )
 from relayrl.core.metrics import MetricsServer, check_service_name
@@ -370,7 +370,7 @@ def build_service(
         authenticator=authenticator,
         exempt_methods=exempt,
         access=access,
-        roles_of=auth.roles_of if isinstance(auth, RolesConfig) else None,
+        roles_of=roles_function(auth),
         metrics=config.metrics,
         shutdown_hooks=shutdown_hooks,
     )

@@ -523,6 +523,16 @@ class CertificateAuthenticator:
         return Principal(name)
 
 
+def roles_function(
+    config: NoAuthConfig | StaticTokenAuthConfig | MtlsAuthConfig,
+) -> Callable[[str], frozenset[str]]:
+    """principal -> the roles it acts in, as an `auth:` section says (`auth.roles`, else the
+    principal's own name)."""
+    if isinstance(config, StaticTokenAuthConfig | MtlsAuthConfig):
+        return config.roles_of
+    return lambda principal: frozenset([principal])
+
+
 def build_authenticator(
     config: NoAuthConfig | StaticTokenAuthConfig | MtlsAuthConfig,
     environ: Mapping[str, str] = os.environ,

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 
 from relayrl.conversation.tools import ToolTable
 from relayrl.core.access import GATEWAY_ACCESS
-from relayrl.core.config import RolesConfig, load_client_token
+from relayrl.core.config import load_client_token
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
-from relayrl.core.interceptors import build_authenticator
+from relayrl.core.interceptors import build_authenticator, roles_function
 from relayrl.core.replicas import static_replica_ids
 from relayrl.gateway.agent_http import AgentHttpServer, AgentSessions
 from relayrl.gateway.agent_http.access import AgentAccess
@@ -167,9 +167,7 @@ class GatewayApp:
         authenticator = build_authenticator(self.config.auth)
         if authenticator is None:
             return None
-        auth = self.config.auth
-        roles_of = auth.roles_of if isinstance(auth, RolesConfig) else None
-        return AgentAccess(authenticator, sessions.tokens, *([roles_of] if roles_of else []))
+        return AgentAccess(authenticator, sessions.tokens, roles_function(self.config.auth))
 
     def engine_client(self, url: str) -> VllmEngineClient:
         """A client of the replica at `url`, calling with the gateway's engine token."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class TokenBucket:
@@ -54,11 +54,13 @@ class TokenBucket:
         self._level = min(self.capacity, self._level + amount)
 
 
-def spend_all(buckets: list[tuple[TokenBucket, float]]) -> float:
-    """Spend from several buckets atomically: all or none. Returns 0 or the longest wait."""
-    wait = max((bucket.wait_s(amount) for bucket, amount in buckets), default=0.0)
-    if wait > 0:
-        return wait
+def spend_all(buckets: Sequence[tuple[TokenBucket, float]]) -> tuple[float, int]:
+    """Spend from several buckets atomically: all or none. Returns (0, -1), or the longest
+    wait and the index of the bucket that needs it."""
+    waits = [bucket.wait_s(amount) for bucket, amount in buckets]
+    longest = max(range(len(waits)), key=waits.__getitem__, default=-1)
+    if longest >= 0 and waits[longest] > 0:
+        return waits[longest], longest
     for bucket, amount in buckets:
         bucket.try_spend(amount)
-    return 0.0
+    return 0.0, -1

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from relayrl.reward.limits import TokenBucket
+from relayrl.reward.limits import TokenBucket, spend_all
 from relayrl.reward.pipeline import RequestError
 from relayrl.tq.config import TQConfig
 
@@ -65,14 +65,8 @@ class MemoryQuotas:
         return bucket
 
     async def take(self, tenant: str, demands: Sequence[Demand]) -> tuple[float, str]:
-        buckets = [(self._bucket(tenant, d), d) for d in demands]
-        waits = [(bucket.wait_s(d.amount), d.quota) for bucket, d in buckets]
-        worst = max(waits, default=(0.0, ""))
-        if worst[0] > 0:
-            return worst
-        for bucket, demand in buckets:
-            bucket.try_spend(demand.amount)
-        return 0.0, ""
+        wait, short = spend_all([(self._bucket(tenant, d), d.amount) for d in demands])
+        return (wait, demands[short].quota) if wait > 0 else (0.0, "")
 
     async def close(self) -> None:
         return None

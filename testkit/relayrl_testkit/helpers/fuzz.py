@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
+from google.protobuf.message import DecodeError
 
 from relayrl_testkit.helpers.trust import method_path
 
@@ -270,7 +271,7 @@ def decodes_as(method: MethodDescriptor, case: Case) -> Any | None:
     message = message_factory.GetMessageClass(method.input_type)()
     try:
         message.ParseFromString(case.payloads[0])
-    except Exception:
+    except DecodeError:
         return None
     return message
 

@@ -61,8 +61,9 @@ class AgentAccess:
         self,
         authenticator: Authenticator,
         tokens: SessionTokens,
-        roles_of: Callable[[str], frozenset[str]] = lambda principal: frozenset([principal]),
+        roles_of: Callable[[str], frozenset[str]],
     ) -> None:
+        """`roles_of`: the gateway's `auth:` view of a principal (`roles_function`)."""
         self._authenticator = authenticator
         self._tokens = tokens
         self._roles_of = roles_of
