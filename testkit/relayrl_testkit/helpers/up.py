@@ -266,6 +266,19 @@ def processes_of(run_dir: Path) -> list[str]:
     return found
 
 
+def service_warnings(run_dir: Path, limit: int = 60) -> str:
+    """The WARNING and ERROR lines of the run's services' logs (the engines' are vLLM's own
+    noise): what a failed check shows besides its own message."""
+    lines = []
+    for service in ("gateway", "reward", "weightsync", "trainer"):
+        log = run_dir / "logs" / f"{service}.log"
+        if log.exists():
+            for line in log.read_text(errors="replace").splitlines():
+                if '"level": "WARNING"' in line or '"level": "ERROR"' in line:  # JSON lines
+                    lines.append(f"{service}: {line[:400]}")
+    return "\n".join(lines[-limit:])
+
+
 @dataclass
 class Audit:
     """What the TransferQueue says happened to every group and trajectory of a run."""
@@ -275,7 +288,14 @@ class Audit:
     consume_events: Counter[str] = field(default_factory=Counter)  # uid -> "-> consumed" count
 
     def infra_trajectories(self) -> list[str]:
-        return [t.key for g in self.groups.values() for t in g.trajectories if t.tags.is_infra]
+        """One line per trajectory tagged infra: its key and every reason the queue kept."""
+        return [
+            f"{t.uid}_{t.index}: finish={t.finish_reason!r} error={t.error!r} "
+            f"reward={common_pb2.RewardStatus.Name(t.reward.status)} {t.reward.message!r}"
+            for g in self.groups.values()
+            for t in g.trajectories
+            if t.tags.is_infra
+        ]
 
     def consumed_at(self) -> dict[str, int]:
         return {

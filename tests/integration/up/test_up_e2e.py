@@ -23,6 +23,7 @@ from relayrl_testkit.helpers.up import (
     processes_of,
     relayrl,
     repository_copy,
+    service_warnings,
     sharing_cache,
     stack_state,
     steps_logged,
@@ -91,7 +92,8 @@ def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> 
     assert [r["step"] for r in records] == list(range(steps))
     audit = audit_queue(run_dir)
     check_exactly_once(run_dir, audit)
-    assert audit.infra_trajectories() == []
+    infra = audit.infra_trajectories()
+    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
     assert audit.statuses["GROUP_STATUS_FAILED"] == 0, audit.statuses
     assert all(v == 1 for v in audit.consume_events.values()), audit.consume_events
     expected_staleness_max = {"sync": 1, "colocate_async": 2, "separate_async": 2}[mode]
