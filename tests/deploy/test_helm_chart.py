@@ -193,18 +193,31 @@ def probe_problems(docs: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+# The one exception to "non-root, nothing added": the reward pod's sandbox container runs as
+# root with exactly these, so that candidate code gets a network namespace and a uid of its own
+# (docs/security.md#the-code-sandbox-in-a-pod). Every other rule holds for it too.
+SANDBOX_CAPABILITIES = ["SYS_ADMIN", "SETUID", "SETGID", "KILL", "CHOWN", "DAC_OVERRIDE", "FOWNER"]
+
+
 def security_problems(docs: list[dict[str, Any]]) -> list[str]:
     problems = []
     for owner, spec in pod_specs(docs):
         pod_sc = spec.get("securityContext", {})
+        component = owner["metadata"]["labels"].get("app.kubernetes.io/component")
         for c in [*spec.get("initContainers", []), *spec["containers"]]:
             where = f"{obj_id(owner)}/{c['name']}"
             sc = c.get("securityContext", {})
             non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
             uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
             seccomp = sc.get("seccompProfile", pod_sc.get("seccompProfile", {})).get("type")
-            if non_root is not True or not uid:
+            added = sc.get("capabilities", {}).get("add", [])
+            if component == "reward" and c["name"] == "sandbox":
+                if added != SANDBOX_CAPABILITIES:
+                    problems.append(f"{where}: adds {added}, not exactly {SANDBOX_CAPABILITIES}")
+            elif non_root is not True or not uid:
                 problems.append(f"{where}: not forced to a non-root uid")
+            elif added:
+                problems.append(f"{where}: adds capabilities {added}")
             if sc.get("allowPrivilegeEscalation") is not False:
                 problems.append(f"{where}: allowPrivilegeEscalation is not false")
             if sc.get("capabilities", {}).get("drop") != ["ALL"]:
@@ -333,6 +346,9 @@ def check_service_configs(docs: list[dict[str, Any]], workdir: Path) -> list[str
         for d in docs
         if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})
     }
+    for d in docs:  # the reward pod's sandbox container (relayrl-sandbox)
+        if d["kind"] == "ConfigMap" and "sandbox.yaml" in d.get("data", {}):
+            configs["sandbox"] = d["data"]["sandbox.yaml"]
     envs: dict[str, dict[str, str]] = {}
     for owner, spec in pod_specs(docs):
         component = owner["metadata"]["labels"].get("app.kubernetes.io/component")
@@ -793,6 +809,55 @@ def test_the_reward_api_is_authenticated_with_shared_small_quotas_by_default(
     made = tenants["stringData"]
     assert yaml.safe_load(made["tokens.yaml"]) == {"default": made["default.token"]}
     assert len(made["default.token"]) >= 32
+
+
+def test_candidate_code_runs_in_a_sandbox_container_without_secrets(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    def reward_pod(scenario: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        docs = rendered[scenario]
+        deployment = next(
+            d
+            for d in docs
+            if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-reward")
+        )
+        config_map = next(
+            d
+            for d in docs
+            if d["kind"] == "ConfigMap" and d["metadata"]["name"] == deployment["metadata"]["name"]
+        )
+        return deployment["spec"]["template"]["spec"], config_map["data"]
+
+    spec, data = reward_pod("default")
+    assert [c["name"] for c in spec["containers"]] == ["reward"] and "sandbox.yaml" not in data
+
+    spec, data = reward_pod("gpu-separate-async")
+    containers = {c["name"]: c for c in spec["containers"]}
+    sandbox, reward = containers["sandbox"], containers["reward"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    # the sandbox container mounts its config, the socket and its work dir: no Secret, no
+    # service-account token, no TLS material
+    mounted = {m["name"]: volumes[m["name"]] for m in sandbox["volumeMounts"]}
+    assert set(mounted) == {"config", "sandbox-socket", "sandbox-work"}
+    assert all("secret" not in v and "projected" not in v for v in mounted.values())
+    assert spec["automountServiceAccountToken"] is False
+    assert sandbox["securityContext"]["runAsUser"] == 0
+    assert "add" not in reward["securityContext"]["capabilities"]
+    # the reward container reaches it through the shared socket, and only its uid may call
+    socket_path = "/run/relayrl-sandbox/sandbox.sock"
+    assert any(m["name"] == "sandbox-socket" for m in reward["volumeMounts"])
+    service = yaml.safe_load(data["sandbox.yaml"])
+    assert service["socket"] == socket_path
+    assert service["allow_uids"] == [spec["securityContext"]["runAsUser"]]
+    assert service["sandbox"]["time_limit_s"] == 10
+    config = yaml.safe_load(data["config.yaml"])
+    assert config["managers"]["code"] == {
+        "type": "sandbox_remote",
+        "socket": socket_path,
+        "max_concurrent": service["sandbox"]["max_concurrent"],
+    }
+    assert config["tq_scorer"]["managers_by_data_source"] == {"code": "code"}
+    assert config["managers"]["naive"] == {"type": "naive"}  # the default manager stays
 
 
 @pytest.mark.parametrize(

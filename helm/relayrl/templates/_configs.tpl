@@ -39,6 +39,9 @@ weightsync:
 {{- $base := include "relayrl.serviceBase" $ctx }}
 {{- $base = printf "%s\ntq:\n%s" $base (include "relayrl.tqConfig" . | indent 2) }}
 {{- $base = printf "%s\ntq_scorer:\n  enabled: true\n  partitions: [train]" $base }}
+{{- if .Values.reward.sandbox.enabled }}
+{{- $base = printf "%s\n  managers_by_data_source: {code: code}" $base }}
+{{- end }}
 {{- $limits := .Values.reward.tenantDefaults }}
 {{- $base = printf "%s\nquota_store: redis\ntenant_defaults:\n  requests_per_minute: %d\n  tokens_per_minute: %d" $base (int64 $limits.requestsPerMinute) (int64 $limits.tokensPerMinute) }}
 {{- if eq $auth.type "static_token" }}
@@ -52,7 +55,22 @@ weightsync:
 {{- $base = printf "%s\n  principals: %s" $base (toJson .) }}
 {{- end }}
 {{- end }}
+{{- if .Values.reward.sandbox.enabled }}
+{{- $base = printf "%s\nmanagers:\n  naive: {type: naive}\n  code:\n    type: sandbox_remote\n    socket: %s\n    max_concurrent: %d" $base (include "relayrl.sandboxSocket" .) (int .Values.reward.sandbox.maxConcurrent) }}
+{{- end }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" .Values.reward.config) }}
+{{- end }}
+
+{{/* The reward pod's sandbox container (reward.sandbox): it listens on a socket in a volume the
+     two containers share, and takes code only from the reward container's uid. */}}
+{{- define "relayrl.sandboxSocket" -}}
+/run/relayrl-sandbox/sandbox.sock
+{{- end }}
+
+{{- define "relayrl.config.sandbox" -}}
+{{- $s := .Values.reward.sandbox }}
+{{- $base := printf "socket: %s\nallow_uids: [%d]\nsandbox:\n  time_limit_s: %v\n  memory_limit_bytes: %d\n  max_concurrent: %d\n  work_root: /tmp" (include "relayrl.sandboxSocket" .) (int (include "relayrl.runAsUser" .)) (float64 $s.timeLimitS) (int64 $s.memoryLimitBytes) (int $s.maxConcurrent) }}
+{{- include "relayrl.mergeConfig" (dict "base" $base "overrides" (dict "sandbox" ($s.config | default dict))) }}
 {{- end }}
 
 {{- define "relayrl.config.weightsync" -}}

@@ -230,11 +230,16 @@ logging:
 {{- end }}
 
 {{/* Pod-level security context of the relayrl images (uid/gid 10001). */}}
+{{/* The uid every relayrl container runs as (the sandbox container aside). */}}
+{{- define "relayrl.runAsUser" -}}
+10001
+{{- end }}
+
 {{- define "relayrl.podSecurityContext" -}}
 runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-fsGroup: 10001
+runAsUser: {{ include "relayrl.runAsUser" . }}
+runAsGroup: {{ include "relayrl.runAsUser" . }}
+fsGroup: {{ include "relayrl.runAsUser" . }}
 fsGroupChangePolicy: OnRootMismatch
 seccompProfile:
   type: RuntimeDefault

@@ -3,11 +3,14 @@
     python -m relayrl.core.healthcheck grpc HOST:PORT [--service NAME]
         [--ca FILE [--cert FILE --key FILE] [--server-name NAME]] [--timeout-s S]
     python -m relayrl.core.healthcheck http URL [--timeout-s S]
+    python -m relayrl.core.healthcheck sandbox SOCKET [--timeout-s S]
 
 `grpc` calls grpc.health.v1 Health/Check (the overall status, or NAME's): plaintext by
 default, TLS when `--ca` is given, mutual TLS when `--cert` and `--key` are given too.
 `--server-name` checks the server certificate against NAME instead of HOST (a pod probes
 127.0.0.1 while its certificate names the Service). `http` GETs URL; any 2xx is healthy.
+`sandbox` pings relayrl-sandbox on its unix socket (relayrl.reward.sandbox_service); healthy
+when it answers OK.
 
 Exit codes: 0 healthy (SERVING / 2xx); 1 not healthy or unreachable, with one line on stderr
 saying why; 2 a usage mistake, one line on stderr. Docker HEALTHCHECKs and Kubernetes exec
@@ -69,6 +72,12 @@ class HttpCheck:
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class SandboxCheck:
+    socket: str
+    timeout_s: float
+
+
 def _timeout(text: str) -> float:
     try:
         value = float(text)
@@ -81,7 +90,7 @@ def _timeout(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Exit 0 when the target is healthy, 1 when not.")
-    kinds = parser.add_subparsers(dest="kind", required=True, metavar="{grpc,http}")
+    kinds = parser.add_subparsers(dest="kind", required=True, metavar="{grpc,http,sandbox}")
     grpc_parser = kinds.add_parser(
         "grpc", help="grpc.health.v1 Check; healthy when SERVING", description=__doc__
     )
@@ -97,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     http_parser = kinds.add_parser("http", help="GET URL; healthy on 2xx", description=__doc__)
     http_parser.add_argument("url", metavar="URL", help="e.g. http://127.0.0.1:8000/health")
-    for sub in (grpc_parser, http_parser):
+    sandbox_parser = kinds.add_parser(
+        "sandbox", help="ping relayrl-sandbox; healthy when it answers", description=__doc__
+    )
+    sandbox_parser.add_argument("socket", metavar="SOCKET", help="its unix socket's path")
+    for sub in (grpc_parser, http_parser, sandbox_parser):
         sub.add_argument(
             "--timeout-s",
             type=_timeout,
@@ -120,9 +133,11 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def parse_args(argv: Sequence[str]) -> GrpcCheck | HttpCheck:
+def parse_args(argv: Sequence[str]) -> GrpcCheck | HttpCheck | SandboxCheck:
     """The check the command line asks for; UsageError on a mistake."""
     args = build_parser().parse_args(argv)
+    if args.kind == "sandbox":
+        return SandboxCheck(socket=args.socket, timeout_s=args.timeout_s)
     if args.kind == "http":
         if not args.url.lower().startswith(("http://", "https://")):
             raise UsageError(f"URL must start with http:// or https://, not {args.url!r}")
@@ -231,11 +246,37 @@ def check_http(check: HttpCheck) -> str:
     return f"HTTP {code}"
 
 
+def check_sandbox(check: SandboxCheck) -> str:
+    """One ping on the sandbox's socket (its protocol: a JSON line each way)."""
+    import json
+    import socket
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(check.timeout_s)
+            sock.connect(check.socket)
+            sock.sendall(b'{"ping": true}\n')
+            answer = sock.makefile("rb").readline(65536)
+    except TimeoutError:
+        raise Unhealthy(f"{check.socket}: no answer within {check.timeout_s:g} s") from None
+    except OSError as exc:
+        raise Unhealthy(f"{check.socket} unreachable: {exc.strerror or exc}") from None
+    try:
+        reply = json.loads(answer)
+    except ValueError:
+        reply = None
+    if not isinstance(reply, dict) or reply.get("status") != "OK":
+        raise Unhealthy(f"{check.socket} answered {answer[:200]!r}")
+    return "OK"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         check = parse_args(sys.argv[1:] if argv is None else argv)
         if isinstance(check, HttpCheck):
             check_http(check)
+        elif isinstance(check, SandboxCheck):
+            check_sandbox(check)
         else:
             check_grpc(check)
     except UsageError as exc:

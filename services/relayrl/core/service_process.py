@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -53,9 +53,13 @@ class ServiceProcess:
         *,
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
+        argv: Sequence[str] = (),
     ) -> None:
-        """`log_path`: where stdout and stderr go (default: `<workdir>/<command>.log`)."""
+        """`log_path`: where stdout and stderr go (default: `<workdir>/<command>.log`);
+        `argv`: what runs the service instead of its console script (a `setpriv` wrapper,
+        another interpreter), before `--config` and `--ready-file`."""
         self.command = command
+        self.argv = list(argv)
         self._owns_workdir = workdir is None
         self.workdir = (workdir or Path(tempfile.mkdtemp(prefix=f"{command}-"))).absolute()
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +88,7 @@ class ServiceProcess:
         exits or does not get ready in time (and then it is killed)."""
         self.ready_file.unlink(missing_ok=True)
         argv = [
-            console_script(self.command),
+            *(self.argv or [console_script(self.command)]),
             "--config",
             str(self.config_path),
             "--ready-file",
@@ -109,7 +113,8 @@ class ServiceProcess:
                 raise TimeoutError(f"{self.command} not ready in {timeout_s} s:\n{self.log()}")
             time.sleep(0.02)
         ready = json.loads(self.ready_file.read_text(encoding="utf-8"))
-        self.port, self.metrics_port = ready["grpc_port"], ready["metrics_port"]
+        # A service without gRPC (relayrl-sandbox) has no ports to report.
+        self.port, self.metrics_port = ready.get("grpc_port", 0), ready.get("metrics_port")
         return self
 
     def log(self) -> str:

@@ -18,6 +18,7 @@ loopback peer that stops answering has died or hung."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import struct
@@ -386,3 +387,99 @@ def _openai_error(body: bytes) -> bool:
     except (ValueError, AttributeError):
         return False
     return isinstance(error, dict) and isinstance(error.get("message"), str) and "type" in error
+
+
+# -- the sandbox's unix socket (relayrl.reward.sandbox_service) --------------------------------
+
+SANDBOX_STATUSES = frozenset(
+    {"OK", "POLICY_FAIL", "INVALID_INPUT", "INFRA_ERROR", "PERMISSION_DENIED"}
+)
+_SANDBOX_VALUES: tuple[Any, ...] = (
+    None, 0, -1, 2**63, 1.5, True, "", "x", [], {}, ["assert 1"], "\x00", "é" * 3,
+)  # fmt: skip
+_SANDBOX_CODE = ("x = 1", "", "def f(:", "raise SystemExit(3)", "import os\nos._exit(9)")
+_SANDBOX_TESTS = (
+    "assert x == 1",
+    "",
+    "assert (",
+    '["assert 1"]',
+    "[1, 2]",
+    "def test_a():\n  pass",
+)
+
+
+def sandbox_cases(
+    rng: random.Random, n: int, max_request_bytes: int
+) -> Iterator[tuple[str, bytes]]:
+    """(kind, bytes) pairs for the sandbox's one-JSON-line protocol."""
+    import json
+
+    kinds = ("empty", "no_newline", "not_json", "wrong_type", "random", "huge", "garbage")
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        if kind == "empty":
+            data = rng.choice((b"", b"\n"))
+        elif kind == "no_newline":
+            data = b'{"item_id": "a", "code": "x = 1", "tests": "assert x"}'
+        elif kind == "not_json":
+            data = rng.choice((b"{", b"[1,", b'{"a": }', b"\xff\xfe", b"null x")) + b"\n"
+        elif kind == "wrong_type":
+            data = json.dumps(rng.choice(_SANDBOX_VALUES)).encode() + b"\n"
+        elif kind == "random":
+            request: dict[str, Any] = {}
+            fields = (("item_id", ("a", "")), ("code", _SANDBOX_CODE), ("tests", _SANDBOX_TESTS))
+            for name, texts in fields:
+                if rng.random() < 0.95:  # mostly well-typed, so that some cases really run
+                    request[name] = rng.choice(texts if rng.random() < 0.8 else _SANDBOX_VALUES)
+            if rng.random() < 0.2:
+                request[rng.choice(("ping", "uid", "time_limit_s"))] = rng.choice(_SANDBOX_VALUES)
+            data = json.dumps(request).encode() + b"\n"
+        elif kind == "huge":
+            data = b'{"code": "' + b"x" * (max_request_bytes + 1024) + b'"}\n'
+        else:
+            data = rng.randbytes(rng.randint(1, 512)) + rng.choice((b"", b"\n"))
+        yield kind, data
+
+
+def fuzz_sandbox(
+    socket_path: str, *, cases: int, seed: int, max_request_bytes: int, timeout_s: float = 30.0
+) -> FuzzReport:
+    """`cases` requests of every kind to the sandbox's socket, each on its own connection.
+    Taken well: a JSON object with a known status, or the
+    connection closed without an answer where there was no complete request line. A crash:
+    anything else, or a connection refused (the service died)."""
+    import json
+    import socket
+
+    rng = random.Random(seed)
+    report = FuzzReport("sandbox")
+    for kind, data in sandbox_cases(rng, cases, max_request_bytes):
+        report.cases += 1
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(timeout_s)
+                sock.connect(socket_path)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    sock.sendall(data)
+                    if not data.endswith(b"\n"):
+                        # no request line: say so (a complete one is answered while the
+                        # connection stays open; closing it before the answer cancels)
+                        sock.shutdown(socket.SHUT_WR)
+                answer = sock.makefile("rb").readline(1 << 20)
+        except OSError as exc:
+            report.crashes.append(f"{kind}: {type(exc).__name__}: {exc}")
+            continue
+        if not answer:
+            status = "closed"
+            if data.endswith(b"\n") and len(data) > 1 and kind != "huge":
+                report.crashes.append(f"{kind}: closed without an answer to {data[:80]!r}")
+        else:
+            try:
+                reply = json.loads(answer)
+                status = reply["status"] if isinstance(reply, dict) else "?"
+            except (ValueError, KeyError):
+                status = "?"
+            if status not in SANDBOX_STATUSES:
+                report.crashes.append(f"{kind}: answered {answer[:200]!r}")
+        report.statuses[status] = report.statuses.get(status, 0) + 1
+    return report

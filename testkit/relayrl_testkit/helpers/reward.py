@@ -4,6 +4,7 @@ service imports as it would a team's installed scorer."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,18 @@ from relayrl.proto.reward.v1 import reward_pb2_grpc
 
 
 class RewardProcess(ServiceProcess):
-    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None):
-        super().__init__("relayrl-reward", config, workdir, env=env)
+    def __init__(
+        self,
+        workdir: Path,
+        config: dict[str, Any],
+        env: dict[str, str] | None = None,
+        argv: Sequence[str] = (),
+    ):
+        super().__init__("relayrl-reward", config, workdir, env=env, argv=argv)
+
+    def start(self, timeout_s: float = 60.0) -> RewardProcess:
+        super().start(timeout_s)
+        return self
 
     def stub(
         self, token: str | None = None

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from relayrl.core import healthcheck
-from relayrl.core.healthcheck import GrpcCheck, HttpCheck, UsageError, parse_args, split_address
+from relayrl.core.healthcheck import (
+    GrpcCheck,
+    HttpCheck,
+    SandboxCheck,
+    UsageError,
+    parse_args,
+    split_address,
+)
 
 
 def test_grpc_defaults_to_plaintext_overall_status() -> None:
@@ -49,6 +56,11 @@ def test_tls_files_must_exist_and_come_in_pairs(tmp_path: Path) -> None:
         parse_args(["grpc", "h:1", "--server-name", "svc"])
     with pytest.raises(UsageError, match="no such file"):
         parse_args(["grpc", "h:1", "--ca", str(tmp_path / "missing.pem")])
+
+
+def test_sandbox_takes_a_socket_path() -> None:
+    check = parse_args(["sandbox", "/run/relayrl-sandbox/sandbox.sock", "--timeout-s", "4"])
+    assert check == SandboxCheck(socket="/run/relayrl-sandbox/sandbox.sock", timeout_s=4.0)
 
 
 def test_http_takes_an_http_url() -> None:

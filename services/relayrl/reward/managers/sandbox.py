@@ -38,6 +38,8 @@ Isolation layers (the harness reports which were active; `isolation_layers()` as
   namespaces are allowed. Where neither works the item fails as INFRA_ERROR, saying why,
   and no candidate code runs; only with `require_network_isolation: false` does it run with
   the audit guard alone keeping it off the network (a warning is logged once).
+  A pod that may not isolate (non-root, capabilities dropped) runs the sandbox as a process of
+  its own instead: `relayrl-sandbox` beside it, reached with a `sandbox_remote` manager.
 - `uid:N`: as root, each concurrent sandbox slot runs as its own uid/gid
   (`sandbox_uid_base + slot`), which makes RLIMIT_NPROC (`nproc`) block fork and threads, keeps
   concurrent candidates out of each other's work dirs and processes, and stops writes to
@@ -320,6 +322,20 @@ def parse_tests(text: str) -> list[CodeTest]:
     return _split_source(text)
 
 
+def item_tests(item: RewardItem) -> tuple[str, list[CodeTest]]:
+    """An item's tests text (`extra["tests"]`, else `ground_truth`) and its tests; InvalidItem
+    saying what is wrong with them."""
+    text = item.extra.get(TESTS_KEY) or item.ground_truth
+    if not text.strip():
+        raise InvalidItem(
+            f"item {item.item_id!r}: no tests; put them in extra[{TESTS_KEY!r}] or ground_truth"
+        )
+    try:
+        return text, parse_tests(text)
+    except ValueError as exc:
+        raise InvalidItem(f"item {item.item_id!r}: {exc}") from None
+
+
 @dataclass(slots=True)
 class _Outcome:
     """How one step (a test, or loading the candidate) failed or passed, as reported."""
@@ -497,8 +513,11 @@ class SandboxManager(RewardManager):
         self._tests_of(item)
 
     async def score(self, item: RewardItem) -> Verdict:
-        tests = self._tests_of(item)
-        run = await self._run(extract_code(item.response), tests)
+        return await self.judge(extract_code(item.response), self._tests_of(item))
+
+    async def judge(self, code: str, tests: Sequence[CodeTest]) -> Verdict:
+        """Run `code` and then `tests` in a fresh sandbox: the verdict, or InfraError."""
+        run = await self._run(code, tests)
         return self._verdict(run, tests)
 
     async def isolation_layers(self) -> tuple[str, ...]:
@@ -517,15 +536,7 @@ class SandboxManager(RewardManager):
         await asyncio.gather(*(process.wait() for process in running))
 
     def _tests_of(self, item: RewardItem) -> list[CodeTest]:
-        text = item.extra.get(TESTS_KEY) or item.ground_truth
-        if not text.strip():
-            raise InvalidItem(
-                f"item {item.item_id!r}: no tests; put them in extra[{TESTS_KEY!r}] or ground_truth"
-            )
-        try:
-            return parse_tests(text)
-        except ValueError as exc:
-            raise InvalidItem(f"item {item.item_id!r}: {exc}") from None
+        return item_tests(item)[1]
 
     async def _run(self, code: str, tests: Sequence[CodeTest]) -> _Run:
         if self._closed:

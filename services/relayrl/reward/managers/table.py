@@ -19,6 +19,7 @@ from relayrl.reward.managers.judge import DisRMConfig, GenRMConfig, RemoteConfig
 from relayrl.reward.managers.naive import NaiveConfig
 from relayrl.reward.managers.reasoning_gym import ReasoningGymConfig
 from relayrl.reward.managers.sandbox import SandboxConfig
+from relayrl.reward.managers.sandbox_remote import RemoteSandboxConfig
 from relayrl.reward.managers.wrappers import DapoConfig, RateLimitedConfig
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ ManagerConfig = Annotated[
     | DapoConfig
     | GdpoConfig
     | SandboxConfig
+    | RemoteSandboxConfig
     | ReasoningGymConfig
     | CustomConfig,
     Field(discriminator="type"),
@@ -47,6 +49,7 @@ MANAGER_TYPES: tuple[str, ...] = (
     "dapo",
     "gdpo",
     "sandbox",
+    "sandbox_remote",
     "reasoning_gym",
     "custom",
 )
