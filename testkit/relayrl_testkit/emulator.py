@@ -660,11 +660,16 @@ def _receive_and_discard(request: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """A worker's receive (plan, digest, buckets, checksums) with the tensors dropped as they
     come; the stats a worker answers and the number of elements received. Runs in a thread:
     the gRPC pull blocks."""
+    import os
+
+    from relayrl.engine.config import weightsync_tls_from_env
     from relayrl.transfer.receiver import receive_tensors
 
     stats: dict[str, Any] = {}
     num_params = 0
-    for _, tensor in receive_tensors(request, stats):
+    # TLS towards weight-sync as a worker has it: from the engine config, via the launcher's env
+    tls = weightsync_tls_from_env(os.environ)
+    for _, tensor in receive_tensors(request, stats, tls=tls):
         num_params += tensor.numel()
     return stats, num_params
 

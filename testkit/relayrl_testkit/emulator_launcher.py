@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,11 @@ def start_emulator(
     time_scale: float,
     sync_time_s: float = 10.0,
     vocab_size: int = VOCAB_SIZE,
+    env: Mapping[str, str] | None = None,
 ) -> Emulator:
     """An emulator on a free loopback port, ready (its ready file written); its request log
-    (`records()`) and output in `workdir`."""
+    (`records()`) and output in `workdir`. `env` is added to its environment (e.g. the
+    engine's TLS towards weight-sync, as the launcher passes it to workers)."""
     workdir.mkdir(parents=True, exist_ok=True)
     ready, log, output = workdir / "ready.json", workdir / "requests.jsonl", workdir / "out.log"
     argv = [
@@ -78,7 +81,13 @@ def start_emulator(
         "--sync-time-s", repr(sync_time_s), "--vocab-size", str(vocab_size),
     ]  # fmt: skip
     with output.open("wb") as sink:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink)
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=sink,
+            env={**os.environ, **(env or {})},
+        )
     deadline = time.monotonic() + 30
     while not ready.exists():
         if process.poll() is not None or time.monotonic() > deadline:

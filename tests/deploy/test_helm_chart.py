@@ -548,7 +548,10 @@ def test_service_config_validation_catches_a_bad_config(
         (["--set", "training.mode=sync"], "training.mode sync needs training.eta 0"),
         (["--set", "trainer.replicas=3"], "must equal it"),
         (["--set", "redis.enabled=false"], "redis.external.url is required"),
-        (["--set", "tls.services={weightsync}"], "weight-sync cannot serve TLS yet"),
+        (
+            ["--set", "tls.enabled=true", "--set", "tls.services={weightsync}"],
+            "tls.existingSecret is required",
+        ),
         (["--set", "data.trainFiles={train.jsonl}"], "data.trainFiles needs data.volume"),
         (
             [
@@ -883,7 +886,7 @@ def test_notes_warn_about_open_access(
     assert ("-identities" in manifests) == ("security.authenticate=false" not in args)
 
 
-def test_callers_of_a_tls_gateway_dial_it_over_tls_with_the_mounted_ca(
+def test_callers_of_a_tls_gateway_or_weightsync_dial_it_over_tls_with_the_mounted_ca(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     docs = rendered["tls"]
@@ -894,13 +897,20 @@ def test_callers_of_a_tls_gateway_dial_it_over_tls_with_the_mounted_ca(
         for d in docs
         if d["kind"] == "ConfigMap" and "config.yaml" in d.get("data", {})
     }
-    for caller in ("trainer", "weightsync"):
-        tls = configs[caller]["gateway"]["tls"]
-        assert tls == {
-            "ca_file": "/etc/relayrl/peer-tls/ca.crt",
-            "cert_file": "/etc/relayrl/peer-client/tls.crt",
-            "key_file": "/etc/relayrl/peer-client/tls.key",
-        }, caller
+    peer_tls = {
+        "ca_file": "/etc/relayrl/peer-tls/ca.crt",
+        "cert_file": "/etc/relayrl/peer-client/tls.crt",
+        "key_file": "/etc/relayrl/peer-client/tls.key",
+    }
+    dialled = {  # caller -> its sections that dial a TLS peer
+        "trainer": [configs["trainer"]["gateway"], configs["trainer"]["publish"]],
+        "weightsync": [configs["weightsync"]["gateway"]],
+        "gateway": [configs["gateway"]["weightsync"]],
+        # the engines' workers pull the weights from weight-sync
+        "engine": [{"tls": configs["engine"]["weightsync_tls"]}],
+    }
+    for caller, sections in dialled.items():
+        assert all(section["tls"] == peer_tls for section in sections), caller
         pod = next(
             d["spec"]["template"]["spec"]
             for d in docs
@@ -910,7 +920,6 @@ def test_callers_of_a_tls_gateway_dial_it_over_tls_with_the_mounted_ca(
         mounts = {m["name"]: m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}
         assert mounts["peer-tls"] == "/etc/relayrl/peer-tls", caller
         assert mounts["peer-client"] == "/etc/relayrl/peer-client", caller
-    assert "tls" not in configs["gateway"]["weightsync"]  # weight-sync serves plaintext
     # the default install dials the gateway in plaintext
     default = next(
         yaml.safe_load(d["data"]["config.yaml"])
@@ -919,4 +928,4 @@ def test_callers_of_a_tls_gateway_dial_it_over_tls_with_the_mounted_ca(
         and d["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"
         and "config.yaml" in d.get("data", {})
     )
-    assert "tls" not in default["gateway"]
+    assert "tls" not in default["gateway"] and "tls" not in default["publish"]

@@ -29,7 +29,8 @@ agent_http:
   model_name: policy
 weightsync:
   target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "weightsync") }}
-  {{- include "relayrl.identityToken" (dict "root" . "principal" "gateway") }}` .) }}
+  {{- include "relayrl.identityToken" (dict "root" . "principal" "gateway") }}
+  {{- include "relayrl.peerTls" (dict "root" . "component" "weightsync") }}` .) }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" .Values.gateway.config) }}
 {{- end }}
 
@@ -148,6 +149,7 @@ publish:
   type: weightsync
   target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "weightsync") }}
   {{- include "relayrl.identityToken" (dict "root" . "principal" "trainer") }}
+  {{- include "relayrl.peerTls" (dict "root" . "component" "weightsync") }}
 gateway:
   target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "gateway") }}
   {{- include "relayrl.identityToken" (dict "root" . "principal" "trainer") }}
@@ -172,6 +174,11 @@ cpu_kv_cache_space_gib: {{ .Values.engine.cpuKvCacheGib }}
 cache_dir: /var/cache/relayrl/vllm
 {{- if .Values.security.authenticate }}
 callers_file: /etc/relayrl/identity/tokens.yaml
+{{- end }}
+{{- with include "relayrl.peerTls" (dict "root" . "component" "weightsync") }}
+{{- /* the workers pull weights from weight-sync: its CA (and client certificate) */}}
+weightsync_tls:
+{{- . | replace "\n  tls:" "" | replace "\n    " "\n  " }}
 {{- end }}` . }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" $e.config) }}
 {{- end }}
@@ -201,9 +208,6 @@ callers_file: /etc/relayrl/identity/tokens.yaml
 {{- end }}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) }}
 {{- fail "redis.external.url is required when redis.enabled is false" }}
-{{- end }}
-{{- if has "weightsync" .Values.tls.services }}
-{{- fail "tls.services: weight-sync cannot serve TLS yet (the engines' workers pull from it without a CA); list reward, trainer and/or gateway" }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.existingSecret is required when tls.enabled is true (a kubernetes.io/tls Secret with ca.crt)" }}

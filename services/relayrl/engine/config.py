@@ -3,12 +3,22 @@ extension), as `relayrl engine` starts it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import Field, field_validator
 
-from relayrl.core.config import StrictModel
+from relayrl.core.config import StrictModel, TlsClientConfig
+
+WEIGHTSYNC_TLS_ENV: Final = "RELAYRL_ENGINE_WEIGHTSYNC_TLS"
+"""The engine's `weightsync_tls` section as JSON: how the launcher hands it to the workers."""
+
+
+def weightsync_tls_from_env(environ: Mapping[str, str]) -> TlsClientConfig | None:
+    """The engine's TLS towards weight-sync, as the launcher put it in the environment."""
+    text = environ.get(WEIGHTSYNC_TLS_ENV)
+    return TlsClientConfig.model_validate_json(text) if text else None
 
 
 class EngineConfig(StrictModel):
@@ -60,6 +70,13 @@ class EngineConfig(StrictModel):
         description="YAML principal -> token (or `sha256:` digest) of the services that may "
         "call this engine, each only its role's routes (relayrl.engine.guard); null: every "
         "caller may call every route, including /collective_rpc (a warning).",
+    )
+    weightsync_tls: TlsClientConfig | None = Field(
+        None,
+        description="TLS towards weight-sync, which the workers pull weights from: the CA its "
+        "certificate must chain to (and this engine's client certificate under mutual TLS). "
+        "Set, the workers pull over TLS only and refuse a weight-sync that advertises "
+        "plaintext; null, they refuse one that serves TLS.",
     )
     extra_args: list[str] = Field(
         default_factory=list, description="More vLLM server flags, passed through as given."

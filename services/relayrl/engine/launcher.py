@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from relayrl.engine.config import EngineConfig
+from relayrl.engine.config import WEIGHTSYNC_TLS_ENV, EngineConfig
 from relayrl.engine.guard import CALLERS_ENV, load_callers
 
 WORKER_EXTENSION = "relayrl.engine.worker_extension.RelayrlWorkerExtension"
@@ -100,6 +100,14 @@ def vllm_environment(config: EngineConfig, base: Mapping[str, str] = os.environ)
         env[CALLERS_ENV] = str(config.callers_file.absolute())
     folders = [config.model, *config.load_dirs]
     env[LOAD_DIRS_ENV] = os.pathsep.join(str(folder.absolute()) for folder in folders)
+    if config.weightsync_tls is not None:
+        tls = config.weightsync_tls
+        absolute = {
+            name: str(path.absolute())
+            for name in ("ca_file", "cert_file", "key_file")
+            if (path := getattr(tls, name)) is not None
+        }
+        env[WEIGHTSYNC_TLS_ENV] = tls.model_copy(update=absolute).model_dump_json()
     if resolve_device(config) == "cpu":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_space_gib)
@@ -134,7 +142,8 @@ def main(argv: list[str] | None = None, prog: str = "relayrl engine") -> int:
         "--print-command", action="store_true", help="print the vLLM command line and exit"
     )
     args = parser.parse_args(argv)
-    from relayrl.core.config import ConfigError, load_config
+    from relayrl.core.config import ClientCredentialsConfig, ConfigError, load_config
+    from relayrl.core.grpc_client import ClientIdentity
 
     environ = dict(os.environ)
     for name in ("model", "host", "port"):
@@ -159,6 +168,14 @@ def main(argv: list[str] | None = None, prog: str = "relayrl engine") -> int:
     else:
         try:
             load_callers(config.callers_file)
+        except ConfigError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
+    if config.weightsync_tls is not None:
+        try:  # the files the workers will read at the first load: said now, in one line
+            ClientIdentity.from_config(
+                ClientCredentialsConfig(tls=config.weightsync_tls), "weightsync_tls"
+            )
         except ConfigError as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
             return 2

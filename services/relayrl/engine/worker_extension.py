@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,7 @@ class RelayrlWorkerExtension:
         `relayrl_load_tensors` for why reload, not load); returns the loaded buckets' sha256 in
         plan order, which the coordinator compares with what the senders pushed. The receiver
         (and gRPC with it) is imported only here, when a version arrives."""
+        from relayrl.engine.config import weightsync_tls_from_env
         from relayrl.transfer.receiver import ReceiveRequest, receive_tensors
 
         request = ReceiveRequest.from_json(request_json)
@@ -162,6 +164,7 @@ class RelayrlWorkerExtension:
             worker_rank=int(getattr(self, "rank", 0)),
             resources=self._relayrl_kept_resources(request),
             engine_fp8=self._relayrl_fp8_checkpoint_format(),
+            tls=weightsync_tls_from_env(os.environ),
         )
         self._relayrl_set_holds(None)
         self._relayrl_reload(tensors)
@@ -204,7 +207,6 @@ def _loadable(path: str) -> str:
     """`path` when it lies in the model folder or an engine's `load_dirs` (what the launcher
     put in RELAYRL_ENGINE_LOAD_DIRS), else ValueError: a caller of /collective_rpc must not
     make the engine read any file it can name."""
-    import os
     from pathlib import Path
 
     resolved = Path(path).resolve()

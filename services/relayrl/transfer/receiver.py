@@ -21,9 +21,10 @@ Imported only inside the engine process, and only when a version arrives.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +39,10 @@ from relayrl.transfer.data_planes import (
 from relayrl.transfer.plan import BucketAssembler, BucketLayout, layouts_from_plan, plan_digest
 from relayrl.transfer.request import ReceiveRequest
 from relayrl.transfer.transports.base import KeptResources
+
+if TYPE_CHECKING:
+    from relayrl.core.config import TlsClientConfig
+    from relayrl.core.grpc_client import ClientIdentity
 
 __all__ = [
     "FAULT_EXIT_AFTER_BUCKET",
@@ -55,6 +60,31 @@ QUANT_MODES = {
 }
 
 
+def _identity(request: ReceiveRequest, tls: TlsClientConfig | None) -> ClientIdentity:
+    """How this worker dials weight-sync: the request's token, over TLS with the engine's own
+    CA exactly when both sides say TLS (a mismatch is a ReceiveError saying which side)."""
+    from relayrl.core.config import ClientCredentialsConfig, ConfigError
+    from relayrl.core.grpc_client import ClientIdentity
+
+    if request.tls and tls is None:
+        raise ReceiveError(
+            f"transport: weight-sync at {request.target} serves TLS, but this engine has no "
+            "weightsync_tls (the CA to check it with) in its config"
+        )
+    if tls is not None and not request.tls:
+        raise ReceiveError(
+            f"transport: this engine pulls weights over TLS only (weightsync_tls is set), but "
+            f"weight-sync advertised plaintext at {request.target}"
+        )
+    try:
+        identity = ClientIdentity.from_config(
+            ClientCredentialsConfig(tls=tls), "engine weightsync_tls"
+        )
+    except ConfigError as exc:
+        raise ReceiveError(f"transport: {exc}") from None
+    return dataclasses.replace(identity, token=request.token or None)
+
+
 def receive_tensors(
     request: ReceiveRequest | Mapping[str, Any],
     stats: dict[str, Any],
@@ -63,6 +93,7 @@ def receive_tensors(
     worker_rank: int = 0,
     resources: KeptResources | None = None,
     engine_fp8: str | None = None,
+    tls: TlsClientConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors of the transfer `request.transfer_id`, whose plan comes from the
     weight-sync service at `request.target` and whose buckets come over `request.transport`
@@ -71,10 +102,12 @@ def receive_tensors(
     transfers (a Mooncake engine; without it, a backend starts its own per transfer).
     `engine_fp8` ("per_tensor" | "block_128"): the engine serves an FP8 checkpoint in that
     format, so FP8 tensors and their scales are passed on as they are instead of dequantised.
+    `tls`: the engine's own TLS towards weight-sync (its CA; a client certificate under mutual
+    TLS): required when the request says weight-sync serves TLS, and then plaintext is refused.
     Fills `stats` with the loaded buckets' sha256 (in plan order), bytes and seconds."""
     import grpc
 
-    from relayrl.core.grpc_client import ClientIdentity, channel_options, sync_channel
+    from relayrl.core.grpc_client import channel_options, sync_channel
     from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 
@@ -91,7 +124,7 @@ def receive_tensors(
     # Without BDP probing gRPC keeps its receive window small: with it, the service fills
     # ~100 MiB of this worker's buffers while the worker loads (measured by the bench).
     options = [*channel_options(max_message_bytes=256 * 1024 * 1024), ("grpc.http2.bdp_probe", 0)]
-    channel = sync_channel(request.target, ClientIdentity(token=request.token or None), options)
+    channel = sync_channel(request.target, _identity(request, tls), options)
     try:
         stub = weightsync_pb2_grpc.WeightSyncStub(channel)
         plan = stub.GetBucketPlan(
@@ -131,6 +164,7 @@ def _tensors(
     dtype: torch.dtype,
     digests: list[str],
     engine_fp8: str | None = None,
+    tls: TlsClientConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Buckets cut back into tensors; FP8 ones dequantised to `dtype`, or, for an engine that
     loads FP8 in the `engine_fp8` format, passed on with their scales (except embeddings and

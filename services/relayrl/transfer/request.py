@@ -56,6 +56,9 @@ class ReceiveRequest:
     token: str = ""
     """The bearer token the workers present to weight-sync (minted for this transfer: it
     lets them read the plan and pull the buckets, nothing else, until the load ends)."""
+    tls: bool = False
+    """Weight-sync serves TLS: the workers dial it with the CA of their own engine config
+    (`weightsync_tls`), never with anything the request carries."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_sha256, list):
@@ -68,6 +71,8 @@ class ReceiveRequest:
             raise ValueError(f"replica_id must be a string, got {self.replica_id!r}")
         if not isinstance(self.token, str):
             raise ValueError("token must be a string")
+        if not isinstance(self.tls, bool):
+            raise ValueError(f"tls must be true or false, got {self.tls!r}")
         if (
             isinstance(self.timeout_s, bool)
             or not isinstance(self.timeout_s, int | float)
@@ -105,6 +110,8 @@ class ReceiveRequest:
         }
         if self.token:
             fields["token"] = self.token
+        if self.tls:
+            fields["tls"] = True
         if self.spec is not None:
             fields["spec"] = self.spec.to_json()
             fields["receiver_rank_base"] = self.receiver_rank_base

@@ -127,6 +127,7 @@ class Loader(abc.ABC):
             receiver_rank_base=receiver_rank_base,
             bucket_sha256=tuple(transfer.sha256) if spec is not None else (),
             token=self._pull_tokens.mint(ENGINE, timeout_s + _TOKEN_GRACE_S),
+            tls=self._config.grpc.tls is not None,
         )
 
     async def _receive(

@@ -329,6 +329,65 @@ def test_a_weightsync_version_is_received_over_grpc_and_committed(
     assert emulator.metric("relayrl_emulator_weight_version") == 1
 
 
+def test_over_tls_an_engine_pulls_with_its_own_ca_and_one_without_is_refused(
+    emulators, model_dir: Path, tmp_path: Path
+) -> None:
+    """weight-sync serving mutual TLS: an engine whose config names the CA and its client
+    certificate loads the version; one without them is refused with the reason, and is
+    dropped while the other commits."""
+    from safetensors.torch import load_file
+
+    from relayrl.core.config import ClientCredentialsConfig, TlsClientConfig
+    from relayrl.core.grpc_client import ClientIdentity
+    from relayrl.core.service_process import ServiceProcess
+    from relayrl.engine.config import WEIGHTSYNC_TLS_ENV
+    from relayrl.weightsync.sender import WeightSyncSender
+    from relayrl_testkit.helpers.pki import make_ca, make_cert, mutual_tls_server
+
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    make_ca(pki, "ca")
+    make_cert(pki, "ca", "server", san="DNS:localhost,IP:127.0.0.1")
+    for name in ("trainer", "engine"):
+        make_cert(pki, "ca", name)
+
+    def client_tls(name: str) -> TlsClientConfig:
+        return TlsClientConfig(
+            ca_file=pki / "ca.crt", cert_file=pki / f"{name}.crt", key_file=pki / f"{name}.key"
+        )
+
+    with_ca = emulators(
+        seed=0,
+        time_scale=0.01,
+        sync_time_s=10.0,
+        env={WEIGHTSYNC_TLS_ENV: client_tls("engine").model_dump_json()},
+    )
+    without = emulators(seed=1, time_scale=0.01, sync_time_s=10.0)
+    weights = load_file(model_dir / "model.safetensors")
+    config = {
+        "grpc": {"tls": mutual_tls_server(pki)},
+        "bucket_size_bytes": 96 * 1024,
+        "chunk_size_bytes": 32 * 1024,
+        "engines": {"urls": [with_ca.url, without.url], "load_timeout_s": 60, "attempts": 1},
+        "transfer_timeout_s": 60,
+    }
+    with ServiceProcess("relayrl-weightsync", config, tmp_path / "ws") as weightsync:
+        trainer = ClientIdentity.from_config(
+            ClientCredentialsConfig(tls=client_tls("trainer")), "trainer"
+        )
+        sender = WeightSyncSender(weightsync.target, timeout_s=60, identity=trainer)
+        try:
+            result = sender.publish(1, 1, weights.items())
+            sender.wait_committed(result.transfer_id, 60)
+        finally:
+            sender.close()
+        log = weightsync.log()
+    assert with_ca.metric('relayrl_emulator_weight_loads_total{outcome="ok"}') == 1
+    assert with_ca.metric("relayrl_emulator_weight_version") == 1
+    assert without.metric('relayrl_emulator_weight_loads_total{outcome="ok"}') == 0
+    assert "serves TLS, but this engine has no weightsync_tls" in log, log[-3000:]
+
+
 def test_a_gateway_rolls_out_groups_with_the_emulators_tokens(
     emulators, redis_server, model_dir: Path, tmp_path: Path
 ) -> None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from relayrl.core.config import TlsClientConfig
 from relayrl.transfer.data_planes import DATA_PLANES
 from relayrl.transfer.request import ReceiveRequest
 from relayrl.transfer.transports.base import TRANSPORTS, TransportSpec
@@ -55,6 +57,30 @@ def test_a_broadcast_request_carries_its_spec_rank_and_checksums() -> None:
     assert TransportSpec.from_json(wire["spec"]) == SPEC
     assert wire["receiver_rank_base"] == 2 and wire["bucket_sha256"] == ["0" * 64, "1" * 64]
     assert ReceiveRequest.from_json(request.to_json()) == request
+
+
+def test_over_tls_both_sides_must_agree_and_the_ca_is_the_engines_own(tmp_path: Path) -> None:
+    from relayrl.transfer.receiver import ReceiveError, _identity
+
+    request = ReceiveRequest.from_dict({**PULL, "tls": True, "token": "t" * 20})
+    assert (
+        request.to_dict()["tls"] is True and "tls" not in ReceiveRequest.from_dict(PULL).to_dict()
+    )
+    ca = tmp_path / "ca.crt"
+    ca.write_bytes(b"not a real CA, but a file")  # read when the channel is made, not here
+    tls = TlsClientConfig(ca_file=ca)
+    identity = _identity(request, tls)
+    assert identity.credentials is not None and identity.token == "t" * 20
+    with pytest.raises(ReceiveError, match="serves TLS, but this engine has no weightsync_tls"):
+        _identity(request, None)
+    plaintext = ReceiveRequest.from_dict(PULL)
+    with pytest.raises(ReceiveError, match="advertised plaintext"):  # no silent downgrade
+        _identity(plaintext, tls)
+    assert _identity(plaintext, None).credentials is None
+    with pytest.raises(ReceiveError, match="cannot read"):
+        _identity(request, TlsClientConfig(ca_file=tmp_path / "missing.crt"))
+    with pytest.raises(ValueError, match="tls must be true or false"):
+        ReceiveRequest.from_dict({**PULL, "tls": "yes"})
 
 
 @pytest.mark.parametrize(
