@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from relayrl.core.config import LoggingConfig, deep_merge
+from relayrl.core.config import LoggingConfig, TlsClientConfig, deep_merge
 from relayrl.gateway.config import KubernetesDiscoveryConfig
 from relayrl.stack import (
     SERVICES,
@@ -66,15 +66,25 @@ def chart_wiring(values: dict[str, Any]) -> Wiring:
     def host(component: str) -> str:
         return f"{fullname(values)}-{component}.{NAMESPACE}.svc.{domain}"
 
-    redis = values["redis"]
+    redis, tls = values["redis"], values["tls"]
+    redis_tls = None
     if redis["enabled"]:
         url, secret = f"redis://{host('redis')}:{REDIS_PORT}/0", True
+        if tls["enabled"] and "redis" in tls["services"]:  # TLS only, with the mounted CA
+            url = url.replace("redis://", "rediss://")
+            peer = Path("/etc/relayrl/peer-tls/ca.crt"), Path("/etc/relayrl/peer-client")
+            redis_tls = TlsClientConfig(
+                ca_file=peer[0],
+                cert_file=peer[1] / "tls.crt" if tls["mutual"] else None,
+                key_file=peer[1] / "tls.key" if tls["mutual"] else None,
+            )
     else:
         url, secret = redis["external"]["url"], bool(redis["external"].get("existingSecret"))
     t = values["training"]
     return Wiring(
         tq=TQConfig(
             url=url,
+            tls=redis_tls,
             password_env="REDIS_PASSWORD" if secret else None,
             namespace=values["tq"]["namespace"],
             partitions=values["tq"]["partitions"],

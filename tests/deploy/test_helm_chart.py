@@ -552,6 +552,21 @@ def test_service_config_validation_catches_a_bad_config(
             ["--set", "tls.enabled=true", "--set", "tls.services={weightsync}"],
             "tls.existingSecret is required",
         ),
+        (
+            [
+                "--set",
+                "redis.enabled=false",
+                "--set",
+                "redis.external.url=redis://r:6379/0",
+                "--set",
+                "tls.enabled=true",
+                "--set",
+                "tls.existingSecret=s",
+                "--set",
+                "tls.services={redis}",
+            ],
+            "redis is the chart's own Redis",
+        ),
         (["--set", "data.trainFiles={train.jsonl}"], "data.trainFiles needs data.volume"),
         (
             [
@@ -886,7 +901,7 @@ def test_notes_warn_about_open_access(
     assert ("-identities" in manifests) == ("security.authenticate=false" not in args)
 
 
-def test_callers_of_a_tls_gateway_or_weightsync_dial_it_over_tls_with_the_mounted_ca(
+def test_callers_of_tls_peers_dial_them_over_tls_with_the_mounted_ca(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     docs = rendered["tls"]
@@ -909,6 +924,9 @@ def test_callers_of_a_tls_gateway_or_weightsync_dial_it_over_tls_with_the_mounte
         # the engines' workers pull the weights from weight-sync
         "engine": [{"tls": configs["engine"]["weightsync_tls"]}],
     }
+    for user in ("gateway", "reward", "trainer"):  # the chart's Redis, TLS only
+        dialled.setdefault(user, []).append(configs[user]["tq"])
+        assert configs[user]["tq"]["url"].startswith("rediss://")
     for caller, sections in dialled.items():
         assert all(section["tls"] == peer_tls for section in sections), caller
         pod = next(
@@ -920,6 +938,15 @@ def test_callers_of_a_tls_gateway_or_weightsync_dial_it_over_tls_with_the_mounte
         mounts = {m["name"]: m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}
         assert mounts["peer-tls"] == "/etc/relayrl/peer-tls", caller
         assert mounts["peer-client"] == "/etc/relayrl/peer-client", caller
+    redis = next(
+        d["spec"]["template"]["spec"]["containers"][0]
+        for d in docs
+        if d["kind"] == "StatefulSet" and d["metadata"]["name"].endswith("-redis")
+    )
+    args = redis["args"]
+    assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-port") + 1] == "6379"
+    assert args[args.index("--tls-auth-clients") + 1] == "yes"  # mutual
+    assert "--tls" in redis["readinessProbe"]["exec"]["command"][-1]
     # the default install dials the gateway in plaintext
     default = next(
         yaml.safe_load(d["data"]["config.yaml"])

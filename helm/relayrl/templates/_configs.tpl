@@ -175,10 +175,10 @@ cache_dir: /var/cache/relayrl/vllm
 {{- if .Values.security.authenticate }}
 callers_file: /etc/relayrl/identity/tokens.yaml
 {{- end }}
-{{- with include "relayrl.peerTls" (dict "root" . "component" "weightsync") }}
+{{- if include "relayrl.tlsOn" (dict "root" . "component" "weightsync") }}
 {{- /* the workers pull weights from weight-sync: its CA (and client certificate) */}}
 weightsync_tls:
-{{- . | replace "\n  tls:" "" | replace "\n    " "\n  " }}
+  {{- include "relayrl.peerTlsFields" . | nindent 2 }}
 {{- end }}` . }}
 {{- include "relayrl.mergeConfig" (dict "base" $base "overrides" $e.config) }}
 {{- end }}
@@ -208,6 +208,9 @@ weightsync_tls:
 {{- end }}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) }}
 {{- fail "redis.external.url is required when redis.enabled is false" }}
+{{- end }}
+{{- if and (has "redis" .Values.tls.services) (not .Values.redis.enabled) }}
+{{- fail "tls.services: redis is the chart's own Redis; for an external one give a rediss:// redis.external.url (and its CA in each service's tq.tls through <service>.config)" }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
 {{- fail "tls.existingSecret is required when tls.enabled is true (a kubernetes.io/tls Secret with ca.crt)" }}

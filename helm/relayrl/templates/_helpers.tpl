@@ -98,14 +98,21 @@ helm.sh/chart: {{ include "relayrl.chart" .root }}
 {{- if and $tls.enabled (has .component $tls.services) }}true{{ end }}
 {{- end }}
 
+{{/* The fields of a client's `tls:` section towards a peer that serves TLS (the mounted CA,
+     and the client certificate under mutual TLS), unindented: root. */}}
+{{- define "relayrl.peerTlsFields" -}}
+ca_file: /etc/relayrl/peer-tls/ca.crt
+{{- if .Values.tls.mutual }}
+cert_file: /etc/relayrl/peer-client/tls.crt
+key_file: /etc/relayrl/peer-client/tls.key
+{{- end }}
+{{- end }}
+
 {{/* The `tls:` lines of a client section dialling `component` (nothing when it serves
      plaintext), with their leading newline: dict {root, component}. */}}
 {{- define "relayrl.peerTls" -}}
 {{- if include "relayrl.tlsOn" . }}
-{{- printf "\n  tls:\n    ca_file: /etc/relayrl/peer-tls/ca.crt" }}
-{{- if .root.Values.tls.mutual }}
-{{- printf "\n    cert_file: /etc/relayrl/peer-client/tls.crt\n    key_file: /etc/relayrl/peer-client/tls.key" }}
-{{- end }}
+{{- printf "\n  tls:\n%s" (include "relayrl.peerTlsFields" .root | indent 4) }}
 {{- end }}
 {{- end }}
 
@@ -155,7 +162,8 @@ helm.sh/chart: {{ include "relayrl.chart" .root }}
 {{/* Redis URL (without password) every service uses. */}}
 {{- define "relayrl.redisUrl" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://%s:%s/0" (include "relayrl.serviceHost" (dict "root" . "component" "redis")) (include "relayrl.port.redis" .) }}
+{{- $scheme := ternary "rediss" "redis" (eq (include "relayrl.tlsOn" (dict "root" . "component" "redis")) "true") }}
+{{- printf "%s://%s:%s/0" $scheme (include "relayrl.serviceHost" (dict "root" . "component" "redis")) (include "relayrl.port.redis" .) }}
 {{- else }}
 {{- required "redis.external.url is required when redis.enabled is false" .Values.redis.external.url }}
 {{- end }}
@@ -183,6 +191,10 @@ helm.sh/chart: {{ include "relayrl.chart" .root }}
 url: {{ include "relayrl.redisUrl" . }}
 {{- if include "relayrl.redisSecretName" . }}
 password_env: REDIS_PASSWORD
+{{- end }}
+{{- if include "relayrl.tlsOn" (dict "root" . "component" "redis") }}
+tls:
+  {{- include "relayrl.peerTlsFields" . | nindent 2 }}
 {{- end }}
 namespace: {{ .Values.tq.namespace }}
 partitions: {{ toJson .Values.tq.partitions }}

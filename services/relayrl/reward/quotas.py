@@ -14,7 +14,6 @@ cannot be checked is not waived.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,13 +112,9 @@ class RedisQuotas:
     def __init__(self, config: TQConfig) -> None:
         import redis.asyncio as aioredis
 
-        password = os.environ.get(config.password_env) if config.password_env else None
-        self._redis = aioredis.Redis.from_url(
-            config.url,
-            password=password,
-            socket_timeout=config.socket_timeout_s,
-            socket_connect_timeout=config.connect_timeout_s,
-        )
+        from relayrl.tq.queue import redis_options
+
+        self._redis = aioredis.Redis.from_url(config.url, **redis_options(config))
         self._prefix = f"{{{config.namespace}}}:reward:quota:"
         self._script = self._redis.register_script(_TAKE_SCRIPT)
 

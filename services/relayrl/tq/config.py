@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 
-from relayrl.core.config import StrictModel
+from relayrl.core.config import StrictModel, TlsClientConfig
 from relayrl.tq.codec import check_partition_name
 
 
@@ -32,6 +32,12 @@ class TQConfig(StrictModel):
     )
     password_env: str | None = Field(
         None, description="Name of an environment variable holding the Redis password."
+    )
+    tls: TlsClientConfig | None = Field(
+        None,
+        description="TLS towards Redis (a rediss:// URL): the CA its certificate must chain "
+        "to, and a client certificate when Redis asks for one (tls-auth-clients). Null with "
+        "rediss://: the system's CAs.",
     )
     namespace: str = Field(
         "relayrl",
@@ -69,3 +75,15 @@ class TQConfig(StrictModel):
         30.0, gt=0, description="Timeout of one Redis command (a stuck Redis is an error)."
     )
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout to connect to Redis.")
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> TQConfig:
+        if self.tls is not None:
+            if not self.url.startswith("rediss://"):
+                raise ValueError("tls needs a rediss:// url (redis:// is plaintext)")
+            if self.tls.server_name is not None:
+                raise ValueError(
+                    "tls.server_name is not supported for Redis: put the name its certificate "
+                    "carries in the url"
+                )
+        return self

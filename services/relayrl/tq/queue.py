@@ -86,6 +86,25 @@ def _unique(keys: Iterable[str], what: str) -> list[str]:
     return keys
 
 
+def redis_options(config: TQConfig, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The connection options of `config` for redis-py (sync or asyncio): the password from
+    `password_env`, TLS files, timeouts. InvalidInputError for a password variable not set."""
+    password = environ.get(config.password_env) if config.password_env else None
+    if config.password_env and password is None:
+        raise InvalidInputError(f"tq.password_env names {config.password_env!r}, which is not set")
+    options: dict[str, Any] = {
+        "password": password,
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": config.connect_timeout_s,
+    }
+    if config.tls is not None:
+        options["ssl_ca_certs"] = str(config.tls.ca_file)
+        if config.tls.cert_file is not None and config.tls.key_file is not None:
+            options["ssl_certfile"] = str(config.tls.cert_file)
+            options["ssl_keyfile"] = str(config.tls.key_file)
+    return options
+
+
 class TransferQueue(QueueReads, QueueEvents):
     """Client of the TransferQueue. Thread-safe (one Redis connection pool); services on
     asyncio call it through `asyncio.to_thread`.
@@ -96,16 +115,9 @@ class TransferQueue(QueueReads, QueueEvents):
 
     @classmethod
     def from_config(cls, config: TQConfig) -> TransferQueue:
-        password = os.environ.get(config.password_env) if config.password_env else None
-        if config.password_env and password is None:
-            raise InvalidInputError(
-                f"tq.password_env names {config.password_env!r}, which is not set"
-            )
         client = redis.Redis.from_url(
             config.url,
-            password=password,
-            socket_timeout=config.socket_timeout_s,
-            socket_connect_timeout=config.connect_timeout_s,
+            **redis_options(config),
             # No automatic retries: claim_groups is not idempotent, and callers decide.
             retry=Retry(NoBackoff(), 0),
             health_check_interval=30,

@@ -6,6 +6,7 @@ restart on the same data directory, never the machine's shared Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -23,6 +24,24 @@ class RedisServerError(RuntimeError):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class RedisTls:
+    """TLS of a RedisServer: it then listens with TLS only (on its one port)."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+    require_client_cert: bool = False
+
+    def args(self, port: int) -> list[str]:
+        return [
+            "--port", "0", "--tls-port", str(port),
+            "--tls-cert-file", str(self.cert_file), "--tls-key-file", str(self.key_file),
+            "--tls-ca-cert-file", str(self.ca_file),
+            "--tls-auth-clients", "yes" if self.require_client_cert else "no",
+        ]  # fmt: skip
+
+
 class RedisServer:
     """One redis-server child process. Data (AOF) lives under `data_dir`, so a server killed
     with SIGKILL and started again on the same directory recovers what it had acknowledged."""
@@ -37,6 +56,7 @@ class RedisServer:
         executable: str = "redis-server",
         password: str | None = None,
         extra_args: tuple[str, ...] = (),
+        tls: RedisTls | None = None,
     ) -> None:
         # Absolute: redis-server changes into --dir before it opens --logfile, so a relative
         # log path would name a file inside the data dir's own copy of that path.
@@ -47,11 +67,13 @@ class RedisServer:
         self._executable = executable
         self.password = password
         self._extra_args = extra_args
+        self.tls = tls
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -67,10 +89,10 @@ class RedisServer:
             raise RedisServerError(
                 f"{self._executable} not found on PATH: run `make setup` (installs redis-server)"
             )
+        listen = self.tls.args(self.port) if self.tls else ["--port", str(self.port)]
         return [
             binary,
-            "--port",
-            str(self.port),
+            *listen,
             "--bind",
             self.host,
             "--dir",
@@ -130,6 +152,12 @@ class RedisServer:
             client.close()
 
     def client(self, **kwargs) -> redis.Redis:
+        if self.tls is not None:
+            # its own client: the server's certificate (with the client's when it asks for one)
+            kwargs = {"ssl": True, "ssl_ca_certs": str(self.tls.ca_file), **kwargs}
+            if self.tls.require_client_cert:
+                kwargs.setdefault("ssl_certfile", str(self.tls.cert_file))
+                kwargs.setdefault("ssl_keyfile", str(self.tls.key_file))
         return redis.Redis(host=self.host, port=self.port, password=self.password, **kwargs)
 
     def stop(self, timeout_s: float = 10.0) -> None:
