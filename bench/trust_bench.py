@@ -8,9 +8,14 @@ gateway, trainer, with its per-run tokens) is knocked on and fuzzed while it tra
    is counted (`unauth_accepted`, `wrong_role_accepted`) and listed.
 2. Fuzz (relayrl_testkit.helpers.fuzz): at least `--cases` requests per service generated from
    the proto descriptors, sent with the token of a role allowed to call the method (so they
-   reach the handlers), and the same per agent HTTP route. A crash is UNKNOWN, INTERNAL or
-   UNAVAILABLE (HTTP: a 500 or a dropped connection); afterwards every service must still
-   answer its health check with the same PID (none was restarted).
+   reach the handlers), and the same per agent HTTP route.
+   A crash is UNKNOWN, INTERNAL or UNAVAILABLE (HTTP: a 500 or a dropped connection);
+   afterwards every service must still answer its health check with the same PID (none was
+   restarted).
+3. The reward pod's code sandbox (relayrl-sandbox, started as the chart runs it): code
+   submitted by uids it does not allow (past the socket's file mode: the peer check alone must
+   refuse), then `--cases` bad requests on its socket; a crash is an answer outside the
+   protocol or a dropped connection, and it must still answer a ping afterwards.
 
 The last line is exactly:
     trust-bench: fuzz_cases=<n> crashes=<n> unauth_accepted=<n> wrong_role_accepted=<n>
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +45,7 @@ from relayrl.core.access import ACCESS
 from relayrl.core.interceptors import ANY_PRINCIPAL
 from relayrl.gateway.config import AgentHttpConfig
 from relayrl.proto.trainer.v1 import trainer_pb2
+from relayrl.reward.sandbox_service import MAX_REQUEST_BYTES
 from relayrl.up.secrets import PRINCIPALS, token_path
 from relayrl_testkit.helpers.fuzz import (
     AGENT_ROUTES,
@@ -45,9 +53,11 @@ from relayrl_testkit.helpers.fuzz import (
     FuzzReport,
     decodes_as,
     fuzz_http,
+    fuzz_sandbox,
     fuzz_service,
 )
-from relayrl_testkit.helpers.trust import knock_on_run, service_descriptors
+from relayrl_testkit.helpers.sandbox import start_sandbox
+from relayrl_testkit.helpers.trust import knock_on_run, knock_on_sandbox, service_descriptors
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -155,13 +165,18 @@ def main() -> int:
             )
         )
 
+        # -- the reward pod's sandbox container (relayrl-sandbox), as the chart runs it ------
+        sandbox_report, sandbox_knocks, sandbox_down = sandbox_surface(workdir, args)
+        reports.append(sandbox_report)
+        unauth += [f"sandbox {k.method}: {k.status}" for k in sandbox_knocks.unauth_accepted]
+
         # -- afterwards ----------------------------------------------------------------------
         after = run.children()
         down = [
             name
             for name in ("reward", "weightsync", "gateway", "trainer")
             if after[name]["pid"] != pids[name] or not healthy(after[name]["target"])
-        ]
+        ] + sandbox_down
     finally:
         run.stop()
 
@@ -172,6 +187,8 @@ def main() -> int:
     print(f"  HTTP routes tried without credentials: {len(http_tried)} ({', '.join(http_tried)})")
     print(f"  calls: {len(knocks.of_kind(anonymous=True))} without valid credentials, "
           f"{len(knocks.of_kind(anonymous=False))} with another role's token")  # fmt: skip
+    print(f"  sandbox socket: code submitted as {len(sandbox_knocks.knocks)} uids it does not "
+          f"allow ({', '.join(k.method for k in sandbox_knocks.knocks)})")  # fmt: skip
     for line in unauth:
         print(f"  ACCEPTED without credentials: {line}")
     for line in wrong:
@@ -191,6 +208,29 @@ def main() -> int:
         f"unauth_accepted={len(unauth)} wrong_role_accepted={len(wrong)}"
     )
     return 0
+
+
+def sandbox_surface(workdir: Path, args: argparse.Namespace) -> tuple[FuzzReport, Any, list[str]]:
+    """relayrl-sandbox as the chart runs it (root with only the sandbox's capabilities): code
+    submitted by uids it does not allow (knocks), then --cases fuzz cases from the uid it does
+    (this process), then a ping. Returns the fuzz report, the knocks and what is down."""
+    # a folder other uids can reach (the run's workdir is private)
+    sockets = Path(tempfile.mkdtemp(prefix="trust-bench-sandbox-"))
+    sockets.chmod(0o755)
+    socket_path = sockets / "sandbox.sock"
+    sandbox = start_sandbox(workdir / "sandbox", socket_path, allow_uids=[0])
+    try:
+        socket_path.chmod(0o666)  # past the file mode: the peer check alone must refuse
+        knocks = knock_on_sandbox(socket_path, [10001, 60005])
+        report = fuzz_sandbox(
+            str(socket_path), cases=args.cases, seed=args.seed, max_request_bytes=MAX_REQUEST_BYTES
+        )
+        probe = [sys.executable, "-m", "relayrl.core.healthcheck", "sandbox", str(socket_path)]
+        alive = sandbox.alive() and subprocess.run(probe, capture_output=True).returncode == 0
+    finally:
+        sandbox.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
+    return report, knocks, [] if alive else ["sandbox"]
 
 
 def agent_base(run: UpRun) -> str:

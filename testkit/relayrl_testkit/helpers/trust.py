@@ -210,3 +210,16 @@ def knock_on_engine(url: str, tokens: Mapping[str, str]) -> TrustReport:
             name = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED"}.get(status, f"HTTP_{status}")
             report.knocks.append(Knock("engine", path, caller, name))
     return report
+
+
+def knock_on_sandbox(socket: Path, uids: list[int]) -> TrustReport:
+    """A code request to relayrl-sandbox from each of `uids` (none of them allowed): any
+    answer but PERMISSION_DENIED is an accepted call."""
+    from relayrl_testkit.helpers.sandbox import submit_as
+
+    report = TrustReport()
+    request = {"item_id": "knock", "code": "x = 1", "tests": "assert x == 1"}
+    for uid in uids:
+        status = str(submit_as(uid, socket, request).get("status"))
+        report.knocks.append(Knock("sandbox", f"submit as uid {uid}", "anonymous", status))
+    return report

@@ -30,11 +30,11 @@ from relayrl.reward.managers.sandbox_remote import RemoteSandboxConfig
 from relayrl.reward.sandbox_service import MAX_REQUEST_BYTES
 from relayrl_testkit.helpers.fuzz import fuzz_sandbox
 from relayrl_testkit.helpers.reward import RewardProcess
+from relayrl_testkit.helpers.sandbox import DEBIAN_PYTHON
+from relayrl_testkit.helpers.sandbox import start_sandbox as start_sandbox_as_deployed
+from relayrl_testkit.helpers.trust import knock_on_sandbox
 
 REWARD_UID = 10001
-# What the chart's sandbox container adds after dropping ALL (docs/security.md).
-SANDBOX_CAPS = "sys_admin,setuid,setgid,kill,chown,dac_override,fowner"
-DEBIAN_PYTHON = "/usr/bin/python3.11"
 TOKEN = "team-a-token-0123456789abcdef"
 
 pytestmark = pytest.mark.skipif(
@@ -42,16 +42,6 @@ pytestmark = pytest.mark.skipif(
     reason="needs root (to start both sides with their own credentials), setpriv and "
     f"{DEBIAN_PYTHON}",
 )
-
-
-def sandbox_argv() -> list[str]:
-    bounding = "-all," + ",".join(f"+{cap}" for cap in SANDBOX_CAPS.split(","))
-    return [
-        "setpriv",
-        f"--bounding-set={bounding}",
-        "--inh-caps=-all",
-        console_script("relayrl-sandbox"),
-    ]
 
 
 def reward_argv() -> list[str]:
@@ -82,15 +72,11 @@ def shared() -> Iterator[Path]:
 
 
 def start_sandbox(shared: Path, **sandbox: Any) -> ServiceProcess:
-    (shared / "sandbox").mkdir(exist_ok=True)
-    config = {
-        "socket": str(shared / "sock" / "sandbox.sock"),
-        "allow_uids": [REWARD_UID],
-        "sandbox": {"time_limit_s": 5.0, **sandbox},
-    }
     (shared / "sock").mkdir(mode=0o755, exist_ok=True)
-    process = ServiceProcess("relayrl-sandbox", config, shared / "sandbox", argv=sandbox_argv())
-    return process.start()
+    socket_path = shared / "sock" / "sandbox.sock"
+    return start_sandbox_as_deployed(
+        shared / "sandbox", socket_path, [REWARD_UID], time_limit_s=5.0, **sandbox
+    )
 
 
 def start_reward(shared: Path) -> RewardProcess:
@@ -230,30 +216,9 @@ def test_a_uid_neither_allowed_nor_its_own_is_refused(shared: Path) -> None:
     try:
         path = shared / "sock" / "sandbox.sock"
         path.chmod(0o666)  # past the file mode: the peer check alone must refuse
-        request = json.dumps({"item_id": "x", "code": "x = 1", "tests": "assert x"})
-        connect = (
-            "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
-            "s.sendall(sys.argv[2].encode() + b'\\n'); print(s.makefile().readline())"
-        )
-        result = subprocess.run(
-            [
-                "setpriv",
-                "--reuid=60005",
-                "--regid=60005",
-                "--clear-groups",
-                DEBIAN_PYTHON,
-                "-c",
-                connect,
-                str(path),
-                request,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        reply = json.loads(result.stdout)
-        assert reply["status"] == "PERMISSION_DENIED", result
-        assert "uid 60005 may not submit code" in reply["message"]
+        report = knock_on_sandbox(path, [60005, 10002])
+        assert [k.status for k in report.knocks] == ["PERMISSION_DENIED"] * 2
+        assert report.unauth_accepted == []
         assert "refused a caller with uid 60005" in sandbox.log()
     finally:
         sandbox.stop()
@@ -289,18 +254,17 @@ def test_start_up_mistakes_are_one_line(shared: Path) -> None:
 def test_bad_input_on_the_socket_never_crashes_it(shared: Path) -> None:
     # allow_uids [0]: this (root) test process is the caller, so every case reaches the parser
     (shared / "sock").mkdir(mode=0o755)
-    config = {"socket": str(shared / "sock" / "sandbox.sock"), "allow_uids": [0]}
-    sandbox = ServiceProcess("relayrl-sandbox", config, shared / "sandbox", argv=sandbox_argv())
-    sandbox.start()
+    socket_path = shared / "sock" / "sandbox.sock"
+    sandbox = start_sandbox_as_deployed(shared / "sandbox", socket_path, [0])
     try:
         report = fuzz_sandbox(
-            config["socket"], cases=210, seed=20, max_request_bytes=MAX_REQUEST_BYTES
+            str(socket_path), cases=210, seed=20, max_request_bytes=MAX_REQUEST_BYTES
         )
         assert report.crashes == [], report.crashes
         assert report.cases == 210 and sandbox.alive()
         # every kind of answer came back, judged answers included
         assert {"INVALID_INPUT", "OK", "POLICY_FAIL", "closed"} <= set(report.statuses)
-        probe = [sys.executable, "-m", "relayrl.core.healthcheck", "sandbox", config["socket"]]
+        probe = [sys.executable, "-m", "relayrl.core.healthcheck", "sandbox", str(socket_path)]
         assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
         assert "Traceback" not in sandbox.log()
     finally:

@@ -12,6 +12,7 @@ is INFRA_ERROR, never a reward.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Literal
 
@@ -91,8 +92,11 @@ class RemoteSandboxManager(RewardManager):
                 "is relayrl-sandbox running (chart: reward.sandbox.enabled)?"
             ) from None
         try:
-            writer.write(encode(request))
-            await writer.drain()
+            with contextlib.suppress(ConnectionError):
+                # a service that refuses this caller answers and closes without reading: the
+                # write may fail, and its answer says why
+                writer.write(encode(request))
+                await writer.drain()
             line = await reader.readuntil(b"\n")
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             raise InfraError(f"the sandbox service at {where} hung up: {exc}") from None
