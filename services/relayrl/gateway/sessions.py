@@ -26,9 +26,7 @@ _MOVED = {
     **dict.fromkeys(("render_chat", "encode", "appended_token_ids"), f"{_PACKAGE}.template"),
     **dict.fromkeys(("AgentSession", "SESSION_LABEL"), f"{_PACKAGE}.session"),
     **dict.fromkeys(("AgentSessions", "MAX_ENDED_REMEMBERED"), f"{_PACKAGE}.sessions"),
-    **dict.fromkeys(
-        ("claim_group_by_uid", "AGENT_LOOP_NAME", "MAX_PASSED_GROUPS"), f"{_PACKAGE}.store"
-    ),
+    "AGENT_LOOP_NAME": f"{_PACKAGE}.store",
 }
 
 

@@ -114,6 +114,17 @@ class ClaimResult:
 
 
 @dataclass(frozen=True)
+class NamedClaimResult:
+    """What claiming named groups (or putting and claiming them) did."""
+
+    claimed: list[ClaimedGroup]
+    # uid -> why it was not claimed: its status (running, consumed, ...), 'unknown' or
+    # 'throttled' (the launched cap is reached; put_and_claim then wrote nothing).
+    not_claimed: dict[str, str]
+    num_launched: int
+
+
+@dataclass(frozen=True)
 class GroupWithTrajectories:
     group: common_pb2.PromptGroup
     trajectories: list[common_pb2.Trajectory]

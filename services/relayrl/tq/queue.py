@@ -56,6 +56,7 @@ from relayrl.tq.model import (
     ClaimedGroup,
     ClaimResult,
     GroupStatus,
+    NamedClaimResult,
     PutResult,
     TrajectoryPut,
     TrajectoryStatus,
@@ -103,6 +104,21 @@ def redis_options(config: TQConfig, environ: Mapping[str, str] = os.environ) -> 
             options["ssl_certfile"] = str(config.tls.cert_file)
             options["ssl_keyfile"] = str(config.tls.key_file)
     return options
+
+
+def _lease_ms(lease_s: float) -> int:
+    return max(1, round(lease_s * 1000))
+
+
+def _claimed_group(partition: str, fields: Sequence[bytes]) -> ClaimedGroup:
+    """A claim as the scripts reply it: uid, claim id, prompt step, data, samples written."""
+    uid, claim_id, step, data, have = fields
+    group = codec.decode_group(
+        partition, uid.decode(), {b"data": data, b"status": b"running", b"step": step}
+    )
+    present = {int(x) for x in have.split(b",") if x}
+    missing = [n for n in range(group.num_samples) if n not in present]
+    return ClaimedGroup(group, claim_id.decode(), missing)
 
 
 class TransferQueue(QueueReads, QueueEvents):
@@ -179,24 +195,71 @@ class TransferQueue(QueueReads, QueueEvents):
         (renew_leases extends it); an expired claim returns the group to pending.
         """
         _positive_int(max_groups, "max_groups", minimum=0)
+        cap = self._claim_args(claimer, lease_s, max_launched)
+        raw = self._call(partition, "claim_groups", max_groups, cap, claimer, _lease_ms(lease_s))
+        claimed = [_claimed_group(partition, raw[i : i + 5]) for i in range(1, len(raw), 5)]
+        return ClaimResult(claimed, int(raw[0]))
+
+    def claim_named_groups(
+        self,
+        partition: str,
+        uids: Sequence[str],
+        *,
+        claimer: str,
+        lease_s: float,
+        max_launched: int | None = None,
+    ) -> NamedClaimResult:
+        """Claims exactly the named groups that are pending (in the order given, while the
+        launched cap allows): what an agent runner handed a group needs, with nothing else
+        claimed and given back on the way. The others are reported with the reason."""
+        cap = self._claim_args(claimer, lease_s, max_launched)
+        names = _unique(uids, "group")
+        raw = self._call(
+            partition, "claim_named", cap, claimer, _lease_ms(lease_s), len(names), *names
+        )
+        return self._named_claims(partition, raw)
+
+    def put_and_claim_groups(
+        self,
+        partition: str,
+        groups: Sequence[common_pb2.PromptGroup],
+        *,
+        claimer: str,
+        lease_s: float,
+        max_launched: int | None = None,
+    ) -> NamedClaimResult:
+        """Puts `groups` and claims them in one atomic step (an agent's own groups are never
+        pending for another claimer to take). All or nothing: a uid stored with other content
+        raises ConflictError and a full launched cap reports every group 'throttled', and
+        nothing is written either way. A group already stored with the same content is
+        claimed if it is pending, else reported with its status."""
+        cap = self._claim_args(claimer, lease_s, max_launched)
+        codec.check_partition_name(partition)
+        encoded = [codec.encode_group(g, partition, self._max_value_bytes) for g in groups]
+        _unique([e.uid for e in encoded], "group")
+        argv: list[Any] = [cap, claimer, _lease_ms(lease_s), len(encoded)]
+        for e in encoded:
+            argv += [e.uid, e.prompt_step, e.num_samples, e.digest, e.data]
+        return self._named_claims(partition, self._call(partition, "put_and_claim", *argv))
+
+    @staticmethod
+    def _claim_args(claimer: str, lease_s: float, max_launched: int | None) -> int:
+        """Checks a claim's arguments; the launched cap as the scripts take it (-1: none)."""
         if not isinstance(claimer, str) or not claimer:
             raise InvalidInputError("claimer must be a non-empty name (e.g. pod and process id)")
         if not lease_s > 0:
             raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
-        cap = -1 if max_launched is None else _positive_int(max_launched, "max_launched", 0)
-        raw = self._call(
-            partition, "claim_groups", max_groups, cap, claimer, max(1, round(lease_s * 1000))
-        )
-        claimed = []
-        for i in range(1, len(raw), 5):
-            uid, claim_id, step, data, have = raw[i : i + 5]
-            uid = uid.decode()
-            fields = {b"data": data, b"status": b"running", b"step": step}
-            group = codec.decode_group(partition, uid, fields)
-            present = {int(x) for x in have.split(b",") if x}
-            missing = [n for n in range(group.num_samples) if n not in present]
-            claimed.append(ClaimedGroup(group, claim_id.decode(), missing))
-        return ClaimResult(claimed, int(raw[0]))
+        return -1 if max_launched is None else _positive_int(max_launched, "max_launched", 0)
+
+    @staticmethod
+    def _named_claims(partition: str, raw: list[Any]) -> NamedClaimResult:
+        launched, num_claimed = int(raw[0]), int(raw[1])
+        claimed = [
+            _claimed_group(partition, raw[i : i + 5]) for i in range(2, 2 + 5 * num_claimed, 5)
+        ]
+        rest = raw[2 + 5 * num_claimed :]
+        not_claimed = {rest[i].decode(): rest[i + 1].decode() for i in range(0, len(rest), 2)}
+        return NamedClaimResult(claimed, not_claimed, launched)
 
     def renew_leases(
         self, partition: str, claims: Mapping[str, str] | Iterable[ClaimedGroup], lease_s: float

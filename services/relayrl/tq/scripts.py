@@ -20,6 +20,8 @@ from relayrl.tq.errors import (
 PARTITION_SCRIPTS = (
     "put_groups",
     "claim_groups",
+    "claim_named",
+    "put_and_claim",
     "renew_leases",
     "end_claims",
     "requeue_expired",

@@ -18,7 +18,7 @@ from relayrl.gateway.agent_http.domain import SessionSpec
 from relayrl.gateway.agent_http.errors import AgentError, ErrorKind
 from relayrl.inference.client import SamplingOptions
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import ClaimedGroup, TrajectoryPut, TransferQueue
+from relayrl.tq import TrajectoryPut, TransferQueue
 from relayrl.tq.errors import (
     ConflictError,
     InvalidInputError,
@@ -28,8 +28,6 @@ from relayrl.tq.errors import (
 )
 
 AGENT_LOOP_NAME = "agent_http"
-# Groups passed over (claimed and released again) while claiming an ad-hoc group, at most.
-MAX_PASSED_GROUPS = 16
 
 
 class TrajectoryRefused(AgentError):
@@ -54,7 +52,6 @@ class AgentGroupStore:
         self.lease_s = lease_s
         self._max_response_tokens = max_response_tokens
         self._policy_step = policy_step
-        self._adhoc_lock = asyncio.Lock()
 
     async def create_partition(self, partition: str) -> None:
         await asyncio.to_thread(self._tq.create_partition, partition)
@@ -119,23 +116,30 @@ class AgentGroupStore:
         )
 
     async def claim_adhoc(self, group: common_pb2.PromptGroup) -> str:
-        """Put `group` as pending and claim it; returns the claim id."""
-        async with self._adhoc_lock:  # this gateway's own ad-hoc groups never pass each other
-            try:
-                return await asyncio.to_thread(
-                    claim_group_by_uid,
-                    self._tq,
-                    group,
-                    claimer=self._claimer,
-                    lease_s=self.lease_s,
-                )
-            except ConflictError as exc:
-                raise AgentError(ErrorKind.CONFLICT, str(exc)) from None
-            except TQError as exc:
-                raise AgentError(
-                    ErrorKind.UNAVAILABLE,
-                    f"TransferQueue: {exc}; nothing was recorded, send the request again",
-                ) from None
+        """Put `group` and claim it in one atomic step (no other group is claimed on the way,
+        and it is never pending for another claimer); returns the claim id."""
+        where = f"agent group {group.partition}/{group.uid}"
+        try:
+            result = await asyncio.to_thread(
+                self._tq.put_and_claim_groups,
+                group.partition,
+                [group],
+                claimer=self._claimer,
+                lease_s=self.lease_s,
+            )
+        except ConflictError:
+            raise AgentError(
+                ErrorKind.CONFLICT, f"{where} already exists with other content"
+            ) from None
+        except TQError as exc:
+            raise AgentError(
+                ErrorKind.UNAVAILABLE,
+                f"TransferQueue: {exc}; nothing was recorded, send the request again",
+            ) from None
+        if not result.claimed:
+            why = result.not_claimed.get(group.uid, "unknown")
+            raise AgentError(ErrorKind.CONFLICT, f"{where} cannot be claimed: it is {why}")
+        return result.claimed[0].claim_id
 
     async def renew(self, partition: str, uid: str, claim_id: str) -> bool:
         """Renew a claim's lease; False when the claim is lost. Other TransferQueue failures
@@ -161,38 +165,3 @@ class AgentGroupStore:
             raise AgentError(
                 ErrorKind.UNAVAILABLE, f"TransferQueue: {exc}; the session stays, retry"
             ) from None
-
-
-def claim_group_by_uid(
-    tq: TransferQueue, group: common_pb2.PromptGroup, *, claimer: str, lease_s: float
-) -> str:
-    """Put `group` as pending and claim it; returns the claim id. The TransferQueue claims
-    the oldest pending groups first, so groups ahead of this one are claimed on the way and
-    given back (released to pending) at once."""
-    partition = group.partition
-    tq.put_groups(partition, [group])
-    passed: list[ClaimedGroup] = []
-    try:
-        while len(passed) <= MAX_PASSED_GROUPS:
-            claimed = tq.claim_groups(
-                partition, max_groups=1, claimer=claimer, lease_s=lease_s
-            ).claimed
-            if not claimed:
-                break
-            if claimed[0].group.uid == group.uid:
-                return claimed[0].claim_id
-            passed.append(claimed[0])
-    finally:
-        if passed:
-            tq.release_groups(
-                partition, passed, f"passed over while claiming agent group {group.uid}"
-            )
-    raise TQError(
-        f"could not claim agent group {partition}/{group.uid}: "
-        + (
-            f"more than {MAX_PASSED_GROUPS} pending groups lie ahead of it; give agent "
-            "sessions a partition of their own (agent_http.partition)"
-            if passed
-            else "it is not pending (another claimer took it)"
-        )
-    )

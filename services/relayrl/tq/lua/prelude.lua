@@ -170,3 +170,59 @@ local function flush_counters(counters, key_of)
     end
   end
 end
+
+-- Claims the pending group `uid` for `claimer` until `deadline` (ms since the epoch) and
+-- returns what a claim reply carries: uid, claim id, prompt step, data, and the indexes of the
+-- samples already written (csv). The caller checked that the group is pending.
+local function claim_pending(uid, claimer, deadline)
+  local g = P .. 'g:' .. uid
+  local f = redis.call('HMGET', g, 'step', 'n', 'num_put', 'data')
+  local claim = 'c' .. redis.call('INCR', P .. 'claimseq')
+  move_group(uid, 'pending', 'running', f[1], 'claim', claim)
+  redis.call('HSET', g, 'claim', claim, 'claimer', claimer)
+  redis.call('HINCRBY', g, 'num_claims', 1)
+  redis.call('ZADD', P .. 'leases', deadline, uid)
+  local have = {}
+  if tonumber(f[3]) > 0 then
+    for i = 0, tonumber(f[2]) - 1 do
+      if redis.call('EXISTS', P .. 't:' .. uid .. '_' .. i) == 1 then have[#have + 1] = i end
+    end
+  end
+  return {uid, claim, f[1], f[4], table.concat(have, ',')}
+end
+
+-- Validates `count` groups given from ARGV[base] on (uid, prompt_step, num_samples, digest,
+-- data each) against what is stored: returns a CONFLICT error reply when a uid exists with
+-- other content (nothing is written then), else the list of flags 1 (to create) / 0 (there).
+local function check_new_groups(base, count)
+  local created, seen = {}, {}
+  for i = 0, count - 1 do
+    local o = base + i * 5
+    local uid, dig = ARGV[o], ARGV[o + 3]
+    local existing = seen[uid] or redis.call('HGET', P .. 'g:' .. uid, 'digest')
+    if existing then
+      if existing ~= dig then return fail('CONFLICT', uid) end
+      created[i + 1] = 0
+    else
+      seen[uid] = dig
+      created[i + 1] = 1
+    end
+  end
+  return created
+end
+
+-- Writes the groups `check_new_groups` flagged as new, pending.
+local function write_new_groups(base, count, created)
+  local now = now_ms()
+  for i = 0, count - 1 do
+    if created[i + 1] == 1 then
+      local o = base + i * 5
+      local uid, step = ARGV[o], ARGV[o + 1]
+      redis.call('HSET', P .. 'g:' .. uid, 'status', 'pending', 'step', step, 'n', ARGV[o + 2],
+        'digest', ARGV[o + 3], 'data', ARGV[o + 4], 'num_put', 0, 'num_failed', 0,
+        'num_scored', 0, 'num_claims', 0, 'created_ms', now)
+      redis.call('ZADD', P .. 'gs:pending', step, uid)
+      emit('group', uid, '', 'pending', 'step', step)
+    end
+  end
+end
