@@ -122,8 +122,40 @@ class RolloutConfig(StrictModel):
     )
 
 
+class ExternalAgentConfig(StrictModel):
+    """A program run once per sample of the groups that name it (relayrl.gateway.external_agent):
+    it gets its session's URL and token as OPENAI_BASE_URL / OPENAI_API_KEY and the task as JSON
+    on stdin, and closes its session when done."""
+
+    command: list[str] = Field(
+        min_length=1, description="argv of the agent, e.g. [python, my_agent.py]."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Variables added to its environment (it gets only PATH, HOME, LANG, "
+        "TMPDIR, PYTHONPATH and VIRTUAL_ENV of the gateway's, besides its session's).",
+    )
+    cwd: str | None = Field(None, description="Working directory; null: the gateway's.")
+    deadline_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=86_400.0,
+        description="Longest one sample's agent may run; then its process group is killed and "
+        "the trajectory fails as infra.",
+    )
+    max_concurrent: int = Field(
+        8, ge=1, le=4096, description="Agent processes of this kind running at once."
+    )
+
+
 class AgentsConfig(StrictModel):
     """Agent loops and tools beyond the built-ins (by dotted path, configured by the operator)."""
+
+    external: dict[str, ExternalAgentConfig] = Field(
+        default_factory=dict,
+        description="Name -> an external agent program; groups whose `agent` is the name are "
+        "rolled out by it through the agent endpoint (needs agent_http.enabled).",
+    )
 
     loops: dict[str, str] = Field(
         default_factory=dict, description="Name -> `package.module:AgentLoopClass`."
@@ -217,6 +249,19 @@ class GatewayConfig(ServiceConfig):
         "Null: a healthy replica serves at once with the weights it holds (no weight updates "
         "reach it).",
     )
+
+    @model_validator(mode="after")
+    def _external_agents_have_an_endpoint(self) -> GatewayConfig:
+        external = self.agents.external
+        if external and not self.agent_http.enabled:
+            raise ValueError(
+                f"agents.external ({', '.join(sorted(external))}) talk to the agent endpoint: "
+                "set agent_http.enabled: true"
+            )
+        clash = sorted(set(external) & set(self.agents.loops))
+        if clash:
+            raise ValueError(f"agents.external and agents.loops both name {clash}")
+        return self
 
     @model_validator(mode="after")
     def _agent_http_port_free(self) -> GatewayConfig:

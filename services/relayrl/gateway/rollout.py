@@ -28,6 +28,7 @@ import redis
 from relayrl.conversation.tools import ToolFailure
 from relayrl.core.logs import REQUEST_ID
 from relayrl.gateway.agents import AgentContext, AgentLoop, Rollout
+from relayrl.gateway.external_agent import ExternalAgent
 from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
 from relayrl.inference.client import (
     EngineError,
@@ -216,7 +217,7 @@ class RolloutWorker:
         self,
         tq: TransferQueue,
         pool: ReplicaPool,
-        loops: Mapping[str, AgentLoop],
+        loops: Mapping[str, AgentLoop | ExternalAgent],
         context_for: Callable[[common_pb2.PromptGroup, int], AgentContext],
         *,
         partition: str,
@@ -346,15 +347,24 @@ class RolloutWorker:
         # derived from it too.
         REQUEST_ID.set(session_id)
         started = time.time()
-        try:
-            trajectory, failed = await self._rollout(group, index, session_id, started), False
-        except (EngineError, EngineTimeout, ToolFailure, NoReplicaAvailable) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            logger.warning("rollout %s failed (infrastructure): %s", session_id, reason)
-            trajectory, failed = failed_trajectory(group, index, reason), True
-        finally:
-            self._pool.end_session(session_id)
-        await self._put(claim, TrajectoryPut(trajectory, claim.claim_id, failed=failed))
+        loop = self._loops.get(group.agent or self._default_agent)
+        if isinstance(loop, ExternalAgent):
+            # the agent's session puts its trajectory; a failure it could not put is put here
+            run = await loop.run_sample(claim, index)
+            failed = not run.finished
+            if run.needs_put:
+                trajectory = failed_trajectory(group, index, run.reason)
+                await self._put(claim, TrajectoryPut(trajectory, claim.claim_id, failed=True))
+        else:
+            try:
+                trajectory, failed = await self._rollout(group, index, session_id, started), False
+            except (EngineError, EngineTimeout, ToolFailure, NoReplicaAvailable) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+                logger.warning("rollout %s failed (infrastructure): %s", session_id, reason)
+                trajectory, failed = failed_trajectory(group, index, reason), True
+            finally:
+                self._pool.end_session(session_id)
+            await self._put(claim, TrajectoryPut(trajectory, claim.claim_id, failed=failed))
         outcome = "failed" if failed else "finished"
         self.counts[outcome] += 1
         metrics = self._pool.metrics

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from relayrl.conversation.tools import ToolTable
 from relayrl.core.access import GATEWAY_ACCESS
-from relayrl.core.config import load_client_token
+from relayrl.core.config import ConfigError, load_client_token
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
 from relayrl.core.interceptors import build_authenticator, roles_function
 from relayrl.core.replicas import static_replica_ids
@@ -24,6 +24,7 @@ from relayrl.gateway.agent_http.access import AgentAccess
 from relayrl.gateway.agents import AgentContext, build_agent_loops
 from relayrl.gateway.config import GatewayConfig
 from relayrl.gateway.discovery import EndpointSliceDiscovery
+from relayrl.gateway.external_agent import ExternalAgent
 from relayrl.gateway.metrics import GatewayMetrics
 from relayrl.gateway.registration import WeightSyncRegistrar
 from relayrl.gateway.replicas import Replica, ReplicaPool
@@ -122,6 +123,12 @@ class GatewayApp:
             self.agent_http = AgentHttpServer(
                 self.sessions, config.agent_http, self._agent_access(self.sessions)
             )
+            for name, agent in config.agents.external.items():
+                if name in self.loops:
+                    raise ConfigError(
+                        f"agents.external.{name}: a built-in agent loop has that name"
+                    )
+                self.loops[name] = ExternalAgent(name, agent, self.sessions, self.agent_endpoint)
         served = list(config.rollout.partitions)
         if config.agent_http.enabled:
             served.append(config.agent_http.partition)
@@ -150,6 +157,13 @@ class GatewayApp:
 
     def agent_http_port(self) -> int:
         return self.agent_http.port if self.agent_http is not None else 0
+
+    def agent_endpoint(self) -> str:
+        """The agent endpoint's base URL as this gateway's own agent processes reach it."""
+        host = self.config.agent_http.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{host}:{self.agent_http_port()}"
 
     def context_for(self, group: common_pb2.PromptGroup, index: int) -> AgentContext:
         rollout = self.config.rollout

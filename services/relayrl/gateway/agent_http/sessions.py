@@ -161,6 +161,10 @@ class AgentSessions:
         )
         return session
 
+    def ended(self, session_id: str) -> SessionEnd | None:
+        """How a session ended (None while it is open, or long forgotten)."""
+        return self._ended.get(session_id)
+
     def get(self, session_id: str) -> AgentSession:
         session = self._sessions.get(session_id)
         if session is not None:

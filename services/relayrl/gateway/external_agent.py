@@ -1,0 +1,184 @@
+"""External agents: a program of the user's, started once per sample of a claimed group, that
+talks to the gateway's OpenAI-compatible agent endpoint like any client
+(docs/architecture.md#external-agents).
+
+A group whose `agent` names an entry of `agents.external` is rolled out by the same claim loop
+as the built-in loops (relayrl.gateway.rollout: throttle, leases, exactly-once puts). For each
+missing sample the runner
+
+1. opens an agent session bound to the claimed sample (its group's data_source and ground
+   truth stay in the TransferQueue: the agent never sees or sets them);
+2. starts the command in a process group of its own with `OPENAI_BASE_URL` (the session's
+   `/v1`), `OPENAI_API_KEY` (the session's own token), `RELAYRL_SESSION_URL` (for the close)
+   and the task on stdin as one JSON object: `{"session_id", "messages", "labels",
+   "sample_index"}`;
+3. waits for it, up to `deadline_s`, then kills the whole process group.
+
+The agent ends its session with `POST $RELAYRL_SESSION_URL/close`: the trajectory is then put
+as finished and the reward-service scores it as any other. Every other ending is the
+infrastructure's, never a reward: an agent that exits non-zero, runs past its deadline or
+exits 0 without closing gets its session aborted, and the trajectory is put as failed
+(is_infra) with the reason (exit code, stderr tail) - also when it generated nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from relayrl.gateway.agent_http.domain import SessionSpec
+from relayrl.gateway.agent_http.errors import AgentError
+
+if TYPE_CHECKING:
+    from relayrl.gateway.agent_http.sessions import AgentSessions
+    from relayrl.gateway.config import ExternalAgentConfig
+    from relayrl.tq import ClaimedGroup
+
+logger = logging.getLogger(__name__)
+
+STDERR_TAIL_CHARS = 2000
+# The environment an agent gets from the gateway's own: enough to run a program, no secrets.
+PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+@dataclass(frozen=True)
+class AgentRun:
+    """How one sample's agent ended: `finished` (it closed its session), or the reason the
+    trajectory was failed; `needs_put` when the session had nothing to put (the caller puts a
+    failed trajectory)."""
+
+    finished: bool
+    reason: str = ""
+    needs_put: bool = False
+
+
+def agent_environment(
+    base: Mapping[str, str], extra: Mapping[str, str], session_url: str, token: str
+) -> dict[str, str]:
+    env = {name: base[name] for name in PASSED_ENV if name in base}
+    env.update(extra)
+    env.update(
+        OPENAI_BASE_URL=f"{session_url}/v1",
+        OPENAI_API_KEY=token,
+        RELAYRL_SESSION_URL=session_url,
+    )
+    return env
+
+
+class ExternalAgent:
+    """One configured external agent (`agents.external.<name>`)."""
+
+    def __init__(
+        self,
+        name: str,
+        config: ExternalAgentConfig,
+        sessions: AgentSessions,
+        endpoint: Callable[[], str],
+    ) -> None:
+        """`endpoint()`: the agent endpoint's base URL as the agents reach it (known once the
+        endpoint serves)."""
+        self.name = name
+        self.config = config
+        self._sessions = sessions
+        self._endpoint = endpoint
+        self._slots = asyncio.Semaphore(config.max_concurrent)
+
+    async def run_sample(self, claim: ClaimedGroup, index: int) -> AgentRun:
+        group = claim.group
+        spec = SessionSpec(
+            partition=group.partition, uid=group.uid, index=index, claim_id=claim.claim_id
+        )
+        async with self._slots:
+            session = await self._sessions.open(spec)
+            session_id = session.session_id
+            token = self._sessions.tokens.mint(session_id, None)
+            session_url = f"{self._endpoint()}/sessions/{session_id}"
+            task = {
+                "session_id": session_id,
+                "messages": [
+                    {k: v for k, v in (("role", m.role), ("content", m.content)) if v}
+                    for m in group.messages
+                ],
+                "labels": dict(group.labels),
+                "sample_index": index,
+            }
+            env = agent_environment(os.environ, self.config.env, session_url, token)
+            reason = await self._run_process(task, env)
+        ended = self._sessions.ended(session_id)
+        if reason is None and ended is not None and ended.outcome == "finished":
+            return AgentRun(finished=True)
+        if reason is None:
+            reason = (
+                f"agent {self.name!r} exited 0 without closing its session"
+                if ended is None
+                else f"agent {self.name!r} ended its session as {ended.outcome}: {ended.reason}"
+            )
+        if ended is None:
+            with contextlib.suppress(AgentError):
+                ended = await self._sessions.abort(session_id, reason)
+        logger.warning("agent %s on %s_%d: %s", self.name, group.uid, index, reason)
+        # A session that generated nothing is discarded, not put: the caller puts the failure.
+        needs_put = ended is None or ended.outcome == "discarded"
+        return AgentRun(finished=False, reason=reason, needs_put=needs_put)
+
+    async def _run_process(self, task: dict[str, object], env: dict[str, str]) -> str | None:
+        """Runs the command to its end or its deadline; None when it exited 0, else why not."""
+        command: Sequence[str] = self.config.command
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                cwd=self.config.cwd,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            return f"agent {self.name!r} could not start ({command[0]}): {exc.strerror or exc}"
+        stderr = asyncio.ensure_future(_tail(process.stderr, STDERR_TAIL_CHARS))
+        try:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                assert process.stdin is not None
+                process.stdin.write(json.dumps(task).encode() + b"\n")
+                await process.stdin.drain()
+                process.stdin.close()
+            try:
+                async with asyncio.timeout(self.config.deadline_s):
+                    code = await process.wait()
+            except TimeoutError:
+                return f"agent {self.name!r} ran past its deadline of {self.config.deadline_s} s"
+        finally:
+            _kill_group(process)  # whatever it started goes with it, on cancellation too
+            await process.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(stderr), 5.0)
+            stderr.cancel()
+        if code == 0:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
+        tail = stderr.result() if stderr.done() and not stderr.cancelled() else ""
+        return f"agent {self.name!r} {how}" + (f": {tail}" if tail else "")
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+async def _tail(stream: asyncio.StreamReader | None, limit: int) -> str:
+    """The last `limit` characters of a stream, read to its end."""
+    if stream is None:
+        return ""
+    kept = b""
+    while chunk := await stream.read(1 << 16):
+        kept = (kept + chunk)[-limit * 4 :]
+    text = kept.decode("utf-8", "replace").strip()
+    return text[-limit:]

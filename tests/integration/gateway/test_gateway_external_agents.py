@@ -1,0 +1,131 @@
+"""External agents run by the gateway for claimed groups, end to end: a real redis-server, the
+tiny model on a real vLLM engine, a real relayrl-gateway, and real agent processes (a
+plain-`openai` program) that talk to its agent endpoint with their session's URL and token.
+
+A well-behaved agent's trajectories are the gateway's record of its turns (engine token ids,
+mask 0 on the user turn between them) and are put as finished; an agent that crashes, hangs
+past its deadline or exits 0 without closing gets its trajectories put as failed (is_infra)
+with the reason, and leaves no process behind."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from relayrl.core.service_process import ServiceProcess
+from relayrl.engine.process import EngineProcess
+from relayrl.proto.common.v1 import common_pb2
+from relayrl.tq import TransferQueue
+from relayrl.tq.server import RedisServer
+from relayrl_testkit.agents import chat_agent
+
+P = "train"
+AGENT = [sys.executable, chat_agent.__file__]
+
+
+def group(uid: str, agent: str) -> common_pb2.PromptGroup:
+    return common_pb2.PromptGroup(
+        uid=uid,
+        num_samples=2,
+        prompt_token_ids=[1, 2, 3],
+        messages=[common_pb2.ChatMessage(role="user", content="What is 2 + 3?")],
+        data_source="arith",
+        ground_truth="5",
+        agent=agent,
+    )
+
+
+def agents_of(process: ServiceProcess) -> list[str]:
+    """The agent processes still alive under the gateway."""
+    found = []
+    for child in psutil.Process(process.pid).children(recursive=True):
+        try:
+            if chat_agent.__file__ in " ".join(child.cmdline()):
+                found.append(f"{child.pid}: {' '.join(child.cmdline())}")
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
+    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+) -> None:
+    behaviours = {"good": "well", "crash": "crash", "hang": "hang", "noclose": "noclose"}
+    config = {
+        "tq": {"url": redis_server.url},
+        "tokenizer": str(model_dir),
+        "engines": {"urls": [engine.url], "health_interval_s": 0.5, "request_timeout_s": 60},
+        "rollout": {"partitions": [P], "batch_size": 8},
+        "agent_http": {"model_name": "policy", "max_tokens": 200, "default_max_tokens": 16},
+        "agents": {
+            "external": {
+                name: {
+                    "command": [*AGENT, "--behave", behave],
+                    "deadline_s": 4.0 if name == "hang" else 120.0,
+                    "env": {"PYTHONPATH": ":".join(sys.path)},
+                }
+                for name, behave in behaviours.items()
+            }
+        },
+    }
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
+        tq.put_groups(P, [group(f"g-{name}", name) for name in behaviours])
+        deadline = time.monotonic() + 240
+        while True:
+            groups = {g.group.uid: g for g in tq.get_groups(P, [f"g-{n}" for n in behaviours])}
+            if all(len(g.trajectories) == 2 for g in groups.values()):
+                break
+            assert time.monotonic() < deadline, gateway.log()[-4000:]
+            time.sleep(0.5)
+        time.sleep(1.0)  # the last agents' process groups are reaped
+        assert agents_of(gateway) == []
+
+    good = groups["g-good"].trajectories
+    assert [t.tags.is_infra for t in good] == [False, False]
+    for trajectory in good:
+        mask = bytes(trajectory.response_mask)
+        # two generated turns, the user's follow-up between them: 1s, then 0s, then 1s
+        assert mask[0] == 1 and mask[-1] == 1 and 0 in mask, mask
+        assert len(trajectory.spans) >= 2 and trajectory.finish_reason
+    expected = {
+        "crash": ["exited 3", "boom: the agent fell over"],
+        "hang": ["ran past its deadline of 4.0 s"],
+        "noclose": ["exited 0 without closing its session"],
+    }
+    for name, words in expected.items():
+        for trajectory in groups[f"g-{name}"].trajectories:
+            assert trajectory.tags.is_infra, (name, trajectory)
+            assert all(w in trajectory.error for w in words), (name, trajectory.error)
+            assert trajectory.reward.status == common_pb2.REWARD_STATUS_UNSPECIFIED  # no reward
+    # the one that generated before failing keeps what it generated, for the record
+    assert all(len(t.response_token_ids) > 0 for t in groups["g-noclose"].trajectories)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"agents": {"external": {"a": {"command": ["x"]}}}, "agent_http": {"enabled": False}},
+            "set agent_http.enabled: true",
+        ),
+        (
+            {"agents": {"external": {"a": {"command": ["x"]}}, "loops": {"a": "m:C"}}},
+            "agents.external and agents.loops both name ['a']",
+        ),
+        ({"agents": {"external": {"a": {"command": []}}}}, "command"),
+    ],
+)
+def test_external_agent_config_mistakes_are_named(data: dict, message: str) -> None:
+    from pydantic import ValidationError
+
+    from relayrl.gateway.config import GatewayConfig
+
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        GatewayConfig.model_validate(data)
