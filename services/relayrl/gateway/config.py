@@ -123,12 +123,19 @@ class RolloutConfig(StrictModel):
 
 
 class ExternalAgentConfig(StrictModel):
-    """A program run once per sample of the groups that name it (relayrl.gateway.external_agent):
-    it gets its session's URL and token as OPENAI_BASE_URL / OPENAI_API_KEY and the task as JSON
-    on stdin, and closes its session when done."""
+    """An agent run once per sample of the groups that name it (relayrl.gateway.external_agent):
+    a program (`command`: its session's URL and token as OPENAI_BASE_URL / OPENAI_API_KEY, the
+    task as JSON on stdin; it closes its session when done) or a Python coroutine function
+    (`callable`: given an AsyncOpenAI client on its session and the task; its return closes the
+    session)."""
 
-    command: list[str] = Field(
-        min_length=1, description="argv of the agent, e.g. [python, my_agent.py]."
+    command: list[str] | None = Field(
+        None, min_length=1, description="argv of the agent, e.g. [python, my_agent.py]."
+    )
+    callable: str | None = Field(
+        None,
+        description="`package.module:function`, an `async def f(client, task)` run in the "
+        "gateway (a trusted agent: it shares the gateway's process).",
     )
     env: dict[str, str] = Field(
         default_factory=dict,
@@ -144,8 +151,16 @@ class ExternalAgentConfig(StrictModel):
         "the trajectory fails as infra.",
     )
     max_concurrent: int = Field(
-        8, ge=1, le=4096, description="Agent processes of this kind running at once."
+        8, ge=1, le=4096, description="Agents of this kind running at once."
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_run(self) -> ExternalAgentConfig:
+        if (self.command is None) == (self.callable is None):
+            raise ValueError("give exactly one of command (a program) and callable (a function)")
+        if self.callable is not None and (self.env or self.cwd):
+            raise ValueError("env and cwd go with command; a callable runs in the gateway")
+        return self
 
 
 class AgentsConfig(StrictModel):

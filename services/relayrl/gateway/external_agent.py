@@ -15,7 +15,11 @@ missing sample the runner
 3. waits for it, up to `deadline_s`, then kills the whole process group.
 
 The agent ends its session with `POST $RELAYRL_SESSION_URL/close`: the trajectory is then put
-as finished and the reward-service scores it as any other. Every other ending is the
+as finished and the reward-service scores it as any other.
+
+An agent may also be a coroutine function (`callable: package.module:function`), awaited in the
+gateway as `await function(client, task)` with an `openai.AsyncOpenAI` client on the session;
+its return closes the session, an exception or the deadline fails it. Every other ending is the
 infrastructure's, never a reward: an agent that exits non-zero, runs past its deadline or
 exits 0 without closing gets its session aborted, and the trajectory is put as failed
 (is_infra) with the reason (exit code, stderr tail) - also when it generated nothing.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -33,6 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from relayrl.core.config import ConfigError
+from relayrl.core.dotted import import_object
 from relayrl.gateway.agent_http.domain import SessionSpec
 from relayrl.gateway.agent_http.errors import AgentError
 
@@ -89,6 +96,16 @@ class ExternalAgent:
         self._sessions = sessions
         self._endpoint = endpoint
         self._slots = asyncio.Semaphore(config.max_concurrent)
+        self._function = None
+        if config.callable is not None:
+            try:
+                self._function = import_object(config.callable, f"agents.external.{name}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if self._function is not None and not inspect.iscoroutinefunction(self._function):
+            raise ConfigError(
+                f"agents.external.{name}.callable {config.callable!r} is not an async function"
+            )
 
     async def run_sample(self, claim: ClaimedGroup, index: int) -> AgentRun:
         group = claim.group
@@ -109,8 +126,11 @@ class ExternalAgent:
                 "labels": dict(group.labels),
                 "sample_index": index,
             }
-            env = agent_environment(os.environ, self.config.env, session_url, token)
-            reason = await self._run_process(task, env)
+            if self._function is not None:
+                reason = await self._run_function(task, session_id, session_url, token)
+            else:
+                env = agent_environment(os.environ, self.config.env, session_url, token)
+                reason = await self._run_process(task, env)
         ended = self._sessions.ended(session_id)
         if reason is None and ended is not None and ended.outcome == "finished":
             return AgentRun(finished=True)
@@ -128,9 +148,34 @@ class ExternalAgent:
         needs_put = ended is None or ended.outcome == "discarded"
         return AgentRun(finished=False, reason=reason, needs_put=needs_put)
 
+    async def _run_function(
+        self, task: dict[str, object], session_id: str, session_url: str, token: str
+    ) -> str | None:
+        """Awaits the agent function to its end or its deadline and closes the session when
+        it returns; None when it did, else why not."""
+        import openai
+
+        assert self._function is not None
+        client = openai.AsyncOpenAI(base_url=f"{session_url}/v1", api_key=token, max_retries=0)
+        try:
+            async with asyncio.timeout(self.config.deadline_s):
+                await self._function(client, task)
+        except TimeoutError:
+            return f"agent {self.name!r} ran past its deadline of {self.config.deadline_s} s"
+        except Exception as exc:
+            return f"agent {self.name!r} raised {type(exc).__name__}: {exc}"[:STDERR_TAIL_CHARS]
+        finally:
+            await client.close()
+        if self._sessions.ended(session_id) is None:
+            try:
+                await self._sessions.close_session(session_id)
+            except AgentError as exc:
+                return f"agent {self.name!r} returned, but its session did not close: {exc.message}"
+        return None
+
     async def _run_process(self, task: dict[str, object], env: dict[str, str]) -> str | None:
         """Runs the command to its end or its deadline; None when it exited 0, else why not."""
-        command: Sequence[str] = self.config.command
+        command: Sequence[str] = self.config.command or ()
         try:
             process = await asyncio.create_subprocess_exec(
                 *command,

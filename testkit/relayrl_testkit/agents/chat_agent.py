@@ -56,3 +56,17 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+async def agent(client, task: dict) -> None:  # type: ignore[no-untyped-def]
+    """The same agent as a coroutine function (`callable:`): one turn, a follow-up, another;
+    returning closes the session. A task labelled `behave: raise` raises instead."""
+    if task["labels"].get("behave") == "raise":
+        raise RuntimeError("the agent function fell over")
+    messages = list(task["messages"])
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "Once more, please."},
+    ]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)

@@ -28,9 +28,10 @@ P = "train"
 AGENT = [sys.executable, chat_agent.__file__]
 
 
-def group(uid: str, agent: str) -> common_pb2.PromptGroup:
+def group(uid: str, agent: str, **labels: str) -> common_pb2.PromptGroup:
     return common_pb2.PromptGroup(
         uid=uid,
+        labels=labels,
         num_samples=2,
         prompt_token_ids=[1, 2, 3],
         messages=[common_pb2.ChatMessage(role="user", content="What is 2 + 3?")],
@@ -71,15 +72,19 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
                 }
                 for name, behave in behaviours.items()
             }
+            # the same agent as a coroutine function, run in the gateway
+            | {"fn": {"callable": "relayrl_testkit.agents.chat_agent:agent"}}
         },
     }
     tq = TransferQueue(redis_server.client())
     tq.create_partition(P)
     with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
-        tq.put_groups(P, [group(f"g-{name}", name) for name in behaviours])
+        groups_put = [group(f"g-{name}", name) for name in behaviours]
+        groups_put += [group("g-fn", "fn"), group("g-fnraise", "fn", behave="raise")]
+        tq.put_groups(P, groups_put)
         deadline = time.monotonic() + 240
         while True:
-            groups = {g.group.uid: g for g in tq.get_groups(P, [f"g-{n}" for n in behaviours])}
+            groups = {g.group.uid: g for g in tq.get_groups(P, [g.uid for g in groups_put])}
             if all(len(g.trajectories) == 2 for g in groups.values()):
                 break
             assert time.monotonic() < deadline, gateway.log()[-4000:]
@@ -87,8 +92,8 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         time.sleep(1.0)  # the last agents' process groups are reaped
         assert agents_of(gateway) == []
 
-    good = groups["g-good"].trajectories
-    assert [t.tags.is_infra for t in good] == [False, False]
+    good = groups["g-good"].trajectories + groups["g-fn"].trajectories
+    assert [t.tags.is_infra for t in good] == [False] * 4
     for trajectory in good:
         mask = bytes(trajectory.response_mask)
         # two generated turns, the user's follow-up between them: 1s, then 0s, then 1s
@@ -98,6 +103,7 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         "crash": ["exited 3", "boom: the agent fell over"],
         "hang": ["ran past its deadline of 4.0 s"],
         "noclose": ["exited 0 without closing its session"],
+        "fnraise": ["raised RuntimeError: the agent function fell over"],
     }
     for name, words in expected.items():
         for trajectory in groups[f"g-{name}"].trajectories:
@@ -120,6 +126,15 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
             "agents.external and agents.loops both name ['a']",
         ),
         ({"agents": {"external": {"a": {"command": []}}}}, "command"),
+        ({"agents": {"external": {"a": {}}}}, "exactly one of command"),
+        (
+            {"agents": {"external": {"a": {"command": ["x"], "callable": "m:f"}}}},
+            "exactly one of command",
+        ),
+        (
+            {"agents": {"external": {"a": {"callable": "m:f", "env": {"A": "1"}}}}},
+            "env and cwd go with command",
+        ),
     ],
 )
 def test_external_agent_config_mistakes_are_named(data: dict, message: str) -> None:
@@ -129,3 +144,20 @@ def test_external_agent_config_mistakes_are_named(data: dict, message: str) -> N
 
     with pytest.raises(ValidationError, match=re.escape(message)):
         GatewayConfig.model_validate(data)
+
+
+def test_an_agent_function_that_does_not_import_stops_the_gateway_with_one_line(
+    redis_server: RedisServer, model_dir: Path, tmp_path: Path
+) -> None:
+    config = {
+        "tq": {"url": redis_server.url},
+        "tokenizer": str(model_dir),
+        "rollout": {"partitions": [P]},
+        "agents": {"external": {"a": {"callable": "no_such_package.agents:run"}}},
+    }
+    process = ServiceProcess("relayrl-gateway", config, tmp_path / "gw")
+    with pytest.raises(RuntimeError, match="exited 1") as failure:
+        process.start(timeout_s=120)
+    log = str(failure.value)
+    assert "agents.external.a 'no_such_package.agents:run': cannot import module" in log
+    assert "Traceback" not in log
