@@ -219,6 +219,12 @@ class AgentHttpConfig(StrictModel):
         description="Budget of a session's response (generated and observation tokens, all "
         "turns); a request's max_tokens is cut to what is left.",
     )
+    open_partitions: PartitionNames | None = Field(
+        None,
+        description="Partitions a caller of the endpoint (HTTP, or gRPC OpenSession) may open "
+        "sessions on, ad-hoc or on a group it claimed; others are refused (403). Null: only "
+        "`partition`. The gateway's own external agents (agents.external) are not limited.",
+    )
     max_sessions: int = Field(
         10_000, ge=1, le=10_000_000, description="Open sessions at once (429 beyond)."
     )

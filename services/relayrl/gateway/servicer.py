@@ -34,6 +34,7 @@ _SESSION_CODES = {
     ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.CONFLICT: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.ENDED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
     ErrorKind.TOO_MANY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.ENGINE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -186,7 +187,7 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
             labels=dict(request.labels),
         )
         try:
-            session = await sessions.open(spec)
+            session = await sessions.open_for_caller(spec)
         except AgentError as exc:
             await context.abort(_SESSION_CODES[exc.kind], exc.message)
         return rollout_pb2.OpenSessionResponse(

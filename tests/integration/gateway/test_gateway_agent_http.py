@@ -370,6 +370,9 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
         assert "X-Relayrl-Session" in no_session["message"]
         assert (await error("/no/such/route", {}, 404))["type"] == "invalid_request_error"
         assert "unknown fields" in (await error("/sessions", {"colour": "red"}, 400))["message"]
+        # the trainer's partition is not open to callers (agent_http.open_partitions)
+        forbidden = await error("/sessions", {"partition": "train"}, 403)
+        assert forbidden["type"] == "permission_error" and "open_partitions" in forbidden["message"]
 
         # None of that touched the session; the header form reaches it too.
         status, answer = await gw.post(
@@ -445,9 +448,15 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
             (rollout_pb2.OpenSessionRequest(index=1), grpc.StatusCode.INVALID_ARGUMENT),
             (rollout_pb2.OpenSessionRequest(uid="g1"), grpc.StatusCode.INVALID_ARGUMENT),
             (
-                rollout_pb2.OpenSessionRequest(partition="train", uid="g1", claim_id="c1"),
+                rollout_pb2.OpenSessionRequest(partition="agent", uid="g1", claim_id="c1"),
                 grpc.StatusCode.NOT_FOUND,  # no such group
             ),
+            (
+                # claim ids are sequential: a caller must not reach the trainer's partitions
+                rollout_pb2.OpenSessionRequest(partition="train", uid="g1", claim_id="c1"),
+                grpc.StatusCode.PERMISSION_DENIED,
+            ),
+            (rollout_pb2.OpenSessionRequest(partition="train"), grpc.StatusCode.PERMISSION_DENIED),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 gw.rpc(lambda stub, request=request: stub.OpenSession(request))
@@ -503,7 +512,11 @@ def test_sessions_stick_to_their_replica_and_an_abort_fails_the_trajectory_as_in
             messages += [answer.choices[0].message, {"role": "user", "content": "more"}]
         return replicas
 
-    with gateway(redis_server, model_dir, urls, tmp_path / "gw") as process:
+    # this test's own orchestrator claims on "train": that partition is opened to callers
+    open_partitions = ["agent", "train"]
+    with gateway(
+        redis_server, model_dir, urls, tmp_path / "gw", open_partitions=open_partitions
+    ) as process:
         gw = Gateway(process)
         opened = [
             gw.rpc(lambda stub: stub.OpenSession(rollout_pb2.OpenSessionRequest(data_source="x")))

@@ -367,6 +367,7 @@ def test_the_router_answers_every_failure_in_openai_shape_with_its_status() -> N
         409,
         410,
         429,
+        403,
         502,
         503,
         405,
@@ -379,4 +380,4 @@ def test_the_router_answers_every_failure_in_openai_shape_with_its_status() -> N
     assert answers[4][1]["error"]["code"] == "session_not_found"
     assert "X-Relayrl-Session names other" in answers[6][1]["error"]["message"]
     assert answers[9][1]["reason"] == ""  # an empty abort body: no reason given
-    assert [body["error"]["type"] for _, body in answers[10:17]] == [k.value for k in ErrorKind]
+    assert [body["error"]["type"] for _, body in answers[10:18]] == [k.value for k in ErrorKind]

@@ -14,6 +14,7 @@ class ErrorKind(enum.Enum):
     CONFLICT = "conflict_error"
     ENDED = "session_ended"
     TOO_MANY = "too_many_sessions"
+    FORBIDDEN = "permission_error"
     ENGINE = "engine_error"
     UNAVAILABLE = "service_unavailable"
 

@@ -41,6 +41,7 @@ HTTP_STATUS = {
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.CONFLICT: 409,
     ErrorKind.ENDED: 410,
+    ErrorKind.FORBIDDEN: 403,
     ErrorKind.TOO_MANY: 429,
     ErrorKind.ENGINE: 502,
     ErrorKind.UNAVAILABLE: 503,
@@ -205,7 +206,7 @@ class AgentHttpServer:
             if isinstance(opener, Refusal):
                 return _refused(opener)
         body = parse(OpenSessionRequest, await _json_body(request, optional=True))
-        session = await self._sessions.open(body.to_domain())
+        session = await self._sessions.open_for_caller(body.to_domain())
         opened = SessionOpened(
             session_id=session.session_id,
             partition=session.partition,

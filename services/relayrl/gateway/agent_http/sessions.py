@@ -123,6 +123,22 @@ class AgentSessions:
 
     # -- lifecycle -----------------------------------------------------------------------
 
+    async def open_for_caller(self, spec: SessionSpec) -> AgentSession:
+        """`open` for a caller of the endpoint (HTTP or gRPC): only on the partitions
+        `agent_http.open_partitions` lists, so that no caller writes ad-hoc groups into, or
+        opens sessions on the claims of, a partition the trainer reads. The gateway's own
+        external agents open theirs with `open`."""
+        partition = spec.partition or self.config.partition
+        allowed = self.config.open_partitions or [self.config.partition]
+        if partition not in allowed:
+            raise AgentError(
+                ErrorKind.FORBIDDEN,
+                f"partition {partition!r} is not open to agents (agent_http.open_partitions: "
+                f"{allowed})",
+                param="partition",
+            )
+        return await self.open(spec)
+
     async def open(self, spec: SessionSpec) -> AgentSession:
         if self._closed:
             raise AgentError(ErrorKind.UNAVAILABLE, "the gateway is shutting down")
