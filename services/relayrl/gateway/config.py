@@ -219,6 +219,13 @@ class AgentHttpConfig(StrictModel):
         description="Budget of a session's response (generated and observation tokens, all "
         "turns); a request's max_tokens is cut to what is left.",
     )
+    adhoc_sessions: bool = Field(
+        False,
+        description="Let callers open sessions that name no claimed group. Each makes a group "
+        "of one sample, which GRPO gives no advantage: for collecting or evaluating "
+        "trajectories, not for training. Off: such an open is refused (403); groups of n are "
+        "rolled out by the gateway's external agents (agents.external).",
+    )
     open_partitions: PartitionNames | None = Field(
         None,
         description="Partitions a caller of the endpoint (HTTP, or gRPC OpenSession) may open "

@@ -17,9 +17,14 @@ missing sample the runner
 The agent ends its session with `POST $RELAYRL_SESSION_URL/close`: the trajectory is then put
 as finished and the reward-service scores it as any other.
 
+The task also holds `extra_info`, the dataset row's object (empty for other tasks). A close may
+report the environment's reward (`{"env_reward": {"status", "score", "message"}}`), which the
+reward-service's `env` manager uses (docs/rewards.md#environment-rewards).
+
 An agent may also be a coroutine function (`callable: package.module:function`), awaited in the
 gateway as `await function(client, task)` with an `openai.AsyncOpenAI` client on the session;
-its return closes the session, an exception or the deadline fails it. Every other ending is the
+its return closes the session (a returned number or `{"status", "score", "message"}` is the
+environment's reward), an exception or the deadline fails it. Every other ending is the
 infrastructure's, never a reward: an agent that exits non-zero, runs past its deadline or
 exits 0 without closing gets its session aborted, and the trajectory is put as failed
 (is_infra) with the reason (exit code, stderr tail) - also when it generated nothing.
@@ -40,8 +45,10 @@ from typing import TYPE_CHECKING
 
 from relayrl.core.config import ConfigError
 from relayrl.core.dotted import import_object
+from relayrl.core.env_reward import EnvReward
 from relayrl.gateway.agent_http.domain import SessionSpec
 from relayrl.gateway.agent_http.errors import AgentError
+from relayrl.gateway.agent_http.protocol.checks import check_env_reward
 
 if TYPE_CHECKING:
     from relayrl.gateway.agent_http.sessions import AgentSessions
@@ -51,6 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STDERR_TAIL_CHARS = 2000
+EXTRA_INFO_LABEL = "extra_info"  # as relayrl.tasks.datasets writes it
 # The environment an agent gets from the gateway's own: enough to run a program, no secrets.
 PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
 
@@ -124,6 +132,7 @@ class ExternalAgent:
                     for m in group.messages
                 ],
                 "labels": dict(group.labels),
+                "extra_info": _extra_info(group.labels),
                 "sample_index": index,
             }
             if self._function is not None:
@@ -159,7 +168,7 @@ class ExternalAgent:
         client = openai.AsyncOpenAI(base_url=f"{session_url}/v1", api_key=token, max_retries=0)
         try:
             async with asyncio.timeout(self.config.deadline_s):
-                await self._function(client, task)
+                returned = await self._function(client, task)
         except TimeoutError:
             return f"agent {self.name!r} ran past its deadline of {self.config.deadline_s} s"
         except Exception as exc:
@@ -168,7 +177,8 @@ class ExternalAgent:
             await client.close()
         if self._sessions.ended(session_id) is None:
             try:
-                await self._sessions.close_session(session_id)
+                reward = returned_reward(returned)
+                await self._sessions.close_session(session_id, env_reward=reward)
             except AgentError as exc:
                 return f"agent {self.name!r} returned, but its session did not close: {exc.message}"
         return None
@@ -211,6 +221,25 @@ class ExternalAgent:
         how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
         tail = stderr.result() if stderr.done() and not stderr.cancelled() else ""
         return f"agent {self.name!r} {how}" + (f": {tail}" if tail else "")
+
+
+def returned_reward(returned: object) -> EnvReward | None:
+    """What an agent function returned, as its environment reward: None (no reward), a number
+    (`ok` with that score) or `{"status", "score", "message"}`; AgentError(INVALID) otherwise."""
+    if returned is None:
+        return None
+    if isinstance(returned, int | float) and not isinstance(returned, bool):
+        returned = {"status": "ok", "score": returned}
+    return check_env_reward(returned, "the returned env_reward")
+
+
+def _extra_info(labels: Mapping[str, str]) -> dict[str, object]:
+    """A dataset row's `extra_info` object (relayrl.tasks.datasets keeps it as a JSON label)."""
+    try:
+        value = json.loads(labels.get(EXTRA_INFO_LABEL, "{}"))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:

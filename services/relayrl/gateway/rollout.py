@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import redis
 
 from relayrl.conversation.tools import ToolFailure
+from relayrl.core import env_reward
 from relayrl.core.logs import REQUEST_ID
 from relayrl.gateway.agents import AgentContext, AgentLoop, Rollout
 from relayrl.gateway.external_agent import ExternalAgent
@@ -184,7 +185,8 @@ def trajectory_of(
         rollout_logprobs=rollout.rollout_logprobs,
         spans=rollout.spans,
         finish_reason=rollout.finish_reason,
-        labels=dict(group.labels),
+        # An environment reward is only ever what an agent reports at its close.
+        labels={k: v for k, v in group.labels.items() if k not in env_reward.LABELS},
         response_text=rollout.response_text,
     )
     trajectory.response_mask = bytes(rollout.response_mask)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
+from relayrl.core.env_reward import EnvReward
 from relayrl.core.interceptors import current_principal
 from relayrl.gateway.agent_http import (
     AgentError,
@@ -38,6 +39,11 @@ _SESSION_CODES = {
     ErrorKind.TOO_MANY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.ENGINE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+_ENV_STATUSES = {
+    rollout_pb2.ENV_REWARD_STATUS_OK: "ok",
+    rollout_pb2.ENV_REWARD_STATUS_FAIL: "fail",
+    rollout_pb2.ENV_REWARD_STATUS_ERROR: "error",
 }
 _OUTCOMES = {
     "finished": rollout_pb2.SESSION_OUTCOME_FINISHED,
@@ -207,7 +213,8 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
     ) -> rollout_pb2.CloseSessionResponse:
         sessions = await self._agent_sessions(context, request.session_id)
         try:
-            end = await sessions.close_session(request.session_id)
+            env = _env_reward(request.env_reward) if request.HasField("env_reward") else None
+            end = await sessions.close_session(request.session_id, env_reward=env)
         except AgentError as exc:
             await context.abort(_SESSION_CODES[exc.kind], exc.message)
         return rollout_pb2.CloseSessionResponse(end=session_end_to_proto(end))
@@ -243,3 +250,16 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
             raise  # not reached: abort raises
+
+
+def _env_reward(reported: rollout_pb2.EnvReward) -> EnvReward:
+    """The proto's environment reward; AgentError(INVALID) saying what is wrong."""
+    status = _ENV_STATUSES.get(reported.status)
+    if status is None:
+        raise AgentError(
+            ErrorKind.INVALID, "env_reward.status must be OK, FAIL or ERROR", param="env_reward"
+        )
+    try:
+        return EnvReward(status, reported.score, reported.message)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise AgentError(ErrorKind.INVALID, f"env_reward: {exc}", param="env_reward") from None

@@ -157,7 +157,7 @@ class RewardConfig(ServiceConfig):
         default_factory=lambda: {"naive": NaiveConfig(type="naive")},
         min_length=1,
         description="Configured managers by name; each has a `type` (naive, rate_limited, "
-        "remote, genrm, disrm, dapo, gdpo, sandbox, sandbox_remote, reasoning_gym, custom).",
+        "remote, genrm, disrm, dapo, gdpo, sandbox, sandbox_remote, reasoning_gym, env, custom).",
     )
     default_manager: str = Field(
         "naive", min_length=1, description="Manager used when a request names none."

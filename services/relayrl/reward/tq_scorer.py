@@ -20,6 +20,7 @@ import socket
 from collections import defaultdict
 from collections.abc import Sequence
 
+from relayrl.core import env_reward
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.reward.config import PIPELINE_TENANT, TQScorerConfig
 from relayrl.reward.convert import result_to_proto
@@ -45,7 +46,9 @@ def item_of(group: common_pb2.PromptGroup, trajectory: common_pb2.Trajectory) ->
     """The reward item of one trajectory: the response as the policy wrote it, the group's
     data_source and ground truth, and the group as the normalisation group."""
     prompt = "\n".join(message.content for message in group.messages)
-    extra = {**group.labels, **trajectory.labels, "group_size": str(group.num_samples)}
+    # An environment reward counts only as the gateway wrote it on the trajectory at close.
+    group_labels = {k: v for k, v in group.labels.items() if k not in env_reward.LABELS}
+    extra = {**group_labels, **trajectory.labels, "group_size": str(group.num_samples)}
     return RewardItem(
         item_id=f"{trajectory.uid}_{trajectory.index}",
         data_source=group.data_source,

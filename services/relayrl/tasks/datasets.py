@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+EXTRA_INFO_LABEL = "extra_info"
 SUFFIXES = (".jsonl", ".parquet")
 DEFAULT_AGENT = "single_turn"
 _ROLES = ("system", "user", "assistant", "tool")
@@ -132,6 +133,12 @@ def to_record(row: Any, where: str) -> Record:
         "data_source": source,
         "agent": DEFAULT_AGENT,
     }
+    extra_info = row.get("extra_info")
+    if extra_info is not None:
+        if not isinstance(extra_info, dict):
+            raise DatasetError(f"{where}: `extra_info` must be an object")
+        # Labels are strings; an external agent gets the object back in its task.
+        record["labels"] = {EXTRA_INFO_LABEL: json.dumps(extra_info, sort_keys=True, default=str)}
     return record
 
 

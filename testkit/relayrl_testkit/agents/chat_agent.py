@@ -1,5 +1,6 @@
 """A plain-`openai` external agent: reads its task, asks the model, sends a follow-up user turn,
-asks again, and closes its session. `--behave` makes it misbehave the ways agents do:
+asks again, and closes its session (reporting `--reward` as the environment's reward, if
+given). `--behave` makes it misbehave the ways agents do:
 crash (exit 3 before any request), hang (sleep past any deadline), noclose (one turn, exit 0
 without closing)."""
 
@@ -15,10 +16,11 @@ import urllib.request
 import openai
 
 
-def close_session() -> None:
+def close_session(reward: float | None = None) -> None:
+    body = {} if reward is None else {"env_reward": {"status": "ok", "score": reward}}
     request = urllib.request.Request(
         os.environ["RELAYRL_SESSION_URL"] + "/close",
-        data=b"{}",
+        data=json.dumps(body).encode(),
         method="POST",
         headers={
             "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}",
@@ -33,6 +35,7 @@ def close_session() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--behave", choices=["well", "crash", "hang", "noclose"], default="well")
+    parser.add_argument("--reward", type=float, default=None, help="report this env reward")
     args = parser.parse_args()
     task = json.loads(sys.stdin.readline())
     if args.behave == "crash":
@@ -50,7 +53,7 @@ def main() -> int:
         {"role": "user", "content": "Once more, please."},
     ]
     client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
-    close_session()
+    close_session(args.reward)
     return 0
 
 
@@ -58,9 +61,10 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-async def agent(client, task: dict) -> None:  # type: ignore[no-untyped-def]
+async def agent(client, task: dict) -> float | None:  # type: ignore[no-untyped-def]
     """The same agent as a coroutine function (`callable:`): one turn, a follow-up, another;
-    returning closes the session. A task labelled `behave: raise` raises instead."""
+    returning closes the session, with the label `reward` (if any) as the environment's reward.
+    A task labelled `behave: raise` raises instead."""
     if task["labels"].get("behave") == "raise":
         raise RuntimeError("the agent function fell over")
     messages = list(task["messages"])
@@ -70,3 +74,5 @@ async def agent(client, task: dict) -> None:  # type: ignore[no-untyped-def]
         {"role": "user", "content": "Once more, please."},
     ]
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    reward = task["labels"].get("reward")
+    return float(reward) if reward is not None else None

@@ -298,7 +298,8 @@ _JSON_VALUES: tuple[Any, ...] = (None, True, 0, -1, 2**63, 1e308, "", "x" * 10_0
                                  [None], {"": None}, "NaN")  # fmt: skip
 _OPENAI_FIELDS = ("model", "messages", "prompt", "max_tokens", "temperature", "top_p", "n",
                   "stream", "tools", "tool_choice", "logprobs", "stop", "seed", "metadata",
-                  "data_source", "ground_truth", "extra_info", "partition")  # fmt: skip
+                  "data_source", "ground_truth", "extra_info", "partition", "env_reward",
+                  "labels")  # fmt: skip
 
 
 def _json_body(rng: random.Random) -> Any:

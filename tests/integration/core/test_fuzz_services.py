@@ -52,7 +52,7 @@ def services(
                 "tokenizer": str(model_dir),
                 "engines": {"urls": ["http://127.0.0.1:9"], "health_interval_s": 0.5},
                 "rollout": {"batch_size": 2, "eta": 0},
-                "agent_http": {"enabled": True, "port": AGENT_PORT},
+                "agent_http": {"enabled": True, "port": AGENT_PORT, "adhoc_sessions": True},
             },
         ),
         "trainer": (

@@ -132,6 +132,7 @@ def gateway(
             "model_name": MODEL,
             "max_tokens": 200,
             "default_max_tokens": 16,
+            "adhoc_sessions": True,  # callers open their own one-sample groups here
             **agent_http,
         },
     }
@@ -235,11 +236,12 @@ def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
     tq = TransferQueue(redis_server.client())
     with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
         gw = Gateway(process)
-        session_id = asyncio.run(
-            gw.open(data_source="arith", ground_truth="4", labels={"task": "add"})
-        )
+        session_id = asyncio.run(gw.open(data_source="env", labels={"task": "add"}))
         first, second, third = asyncio.run(agent(gw, session_id))
-        status, end = asyncio.run(gw.post(f"/sessions/{session_id}/close"))
+        env_reward = {"status": "fail", "score": 0.25, "message": "2 of 8 checks"}
+        status, end = asyncio.run(
+            gw.post(f"/sessions/{session_id}/close", {"env_reward": env_reward})
+        )
         assert status == 200, end
         # Closing twice returns how the session ended.
         assert asyncio.run(gw.post(f"/sessions/{session_id}/close")) == (200, end)
@@ -263,13 +265,20 @@ def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
     (entry,) = tq.get_groups(AGENT_PARTITION, [f"agent-{session_id}"])
     assert end["trajectory_key"] == f"agent-{session_id}_0"
     group = entry.group
-    assert (group.num_samples, group.data_source, group.ground_truth) == (1, "arith", "4")
+    assert (group.num_samples, group.data_source, group.ground_truth) == (1, "env", "")
     assert group.labels["task"] == "add" and group.agent == "agent_http"
     assert group.tags.status == common_pb2.GROUP_STATUS_FINISHED
     (trajectory,) = entry.trajectories
     assert trajectory.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
     assert not trajectory.tags.is_infra and not trajectory.error
     assert trajectory.labels["agent_session"] == session_id and trajectory.labels["task"] == "add"
+    # the environment's reward, for the reward-service's `env` manager
+    reported = {k: v for k, v in trajectory.labels.items() if k.startswith("env_reward")}
+    assert reported == {
+        "env_reward": "0.25",
+        "env_reward_status": "fail",
+        "env_reward_message": "2 of 8 checks",
+    }
 
     prompt = list(trajectory.prompt_token_ids)
     response = list(trajectory.response_token_ids)
@@ -373,6 +382,20 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
         # the trainer's partition is not open to callers (agent_http.open_partitions)
         forbidden = await error("/sessions", {"partition": "train"}, 403)
         assert forbidden["type"] == "permission_error" and "open_partitions" in forbidden["message"]
+        # a caller never sets the ground truth it is scored against, nor poses a reward
+        assert (await error("/sessions", {"ground_truth": "4"}, 400))["param"] == "ground_truth"
+        posing = await error("/sessions", {"labels": {"env_reward": "1"}}, 400)
+        assert "reserved" in posing["message"]
+        close = f"/sessions/{session_id}/close"
+        for bad in (
+            {"env_reward": 1.0},
+            {"env_reward": {"status": "great", "score": 1}},
+            {"env_reward": {"status": "ok"}},
+            {"env_reward": {"status": "ok", "score": float("inf")}},
+            {"env_reward": {"status": "ok", "score": 1, "why": "x"}},
+            {"reward": 1},
+        ):
+            assert (await error(close, bad, 400))["type"] == "invalid_request_error", bad
 
         # None of that touched the session; the header form reaches it too.
         status, answer = await gw.post(
@@ -788,7 +811,11 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
             request_timeout_s=10,
         )
         await sessions.start()
-        # A pending group that sorts ahead of the session's: claimed on the way, given back.
+        # A caller may not open ad-hoc sessions unless agent_http.adhoc_sessions says so.
+        with pytest.raises(AgentError) as adhoc:
+            await sessions.open_for_caller(SessionSpec(data_source="x"))
+        assert adhoc.value.kind is ErrorKind.FORBIDDEN and "adhoc_sessions" in str(adhoc.value)
+        # A pending group ahead of the session's stays pending: put-and-claim takes only its own.
         tq.put_groups(
             AGENT_PARTITION,
             [common_pb2.PromptGroup(uid="aaa", num_samples=1, prompt_token_ids=[1])],

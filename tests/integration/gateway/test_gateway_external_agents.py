@@ -57,11 +57,12 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
     redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
 ) -> None:
     behaviours = {"good": "well", "crash": "crash", "hang": "hang", "noclose": "noclose"}
+    rewarded = {"rewarded": [*AGENT, "--reward", "0.75"]}
     config = {
         "tq": {"url": redis_server.url},
         "tokenizer": str(model_dir),
         "engines": {"urls": [engine.url], "health_interval_s": 0.5, "request_timeout_s": 60},
-        "rollout": {"partitions": [P], "batch_size": 8},
+        "rollout": {"partitions": [P], "batch_size": 16},
         "agent_http": {"model_name": "policy", "max_tokens": 200, "default_max_tokens": 16},
         "agents": {
             "external": {
@@ -72,6 +73,10 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
                 }
                 for name, behave in behaviours.items()
             }
+            | {
+                name: {"command": command, "env": {"PYTHONPATH": ":".join(sys.path)}}
+                for name, command in rewarded.items()
+            }
             # the same agent as a coroutine function, run in the gateway
             | {"fn": {"callable": "relayrl_testkit.agents.chat_agent:agent"}}
         },
@@ -81,6 +86,9 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
     with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
         groups_put = [group(f"g-{name}", name) for name in behaviours]
         groups_put += [group("g-fn", "fn"), group("g-fnraise", "fn", behave="raise")]
+        groups_put += [group("g-rewarded", "rewarded"), group("g-fnrewarded", "fn", reward="0.5")]
+        # a group label cannot pose as a reported reward: only the close writes one
+        groups_put += [group("g-posing", "good", env_reward="1.0", env_reward_status="ok")]
         tq.put_groups(P, groups_put)
         deadline = time.monotonic() + 240
         while True:
@@ -94,6 +102,18 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
 
     good = groups["g-good"].trajectories + groups["g-fn"].trajectories
     assert [t.tags.is_infra for t in good] == [False] * 4
+    # the environment's reward rides on the trajectory as reported with the close
+    reported = {
+        uid: [(t.labels.get("env_reward"), t.labels.get("env_reward_status")) for t in
+              groups[uid].trajectories]
+        for uid in ("g-rewarded", "g-fnrewarded", "g-good", "g-posing")
+    }  # fmt: skip
+    assert reported == {
+        "g-rewarded": [("0.75", "ok")] * 2,
+        "g-fnrewarded": [("0.5", "ok")] * 2,
+        "g-good": [(None, None)] * 2,
+        "g-posing": [(None, None)] * 2,
+    }
     for trajectory in good:
         mask = bytes(trajectory.response_mask)
         # two generated turns, the user's follow-up between them: 1s, then 0s, then 1s

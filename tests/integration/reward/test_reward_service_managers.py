@@ -60,6 +60,8 @@ def service(judge: JudgeSimProcess, tmp_path: Path) -> Iterator[RewardProcess]:
             },
             "limited": {"type": "rate_limited", "inner": "genrm", "requests_per_minute": 1000},
             "reasoning_gym": {"type": "reasoning_gym"},
+            "env": {"type": "env"},
+            "env_and_rules": {"type": "env", "add": "rules"},
         },
         "default_manager": "rules",
         "pipeline": {"num_workers": 2},
@@ -196,6 +198,38 @@ def test_reasoning_gym_items_are_scored_by_their_checkers(service: RewardProcess
         score(service, "reasoning_gym", [malformed])
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "the ground truth must be the JSON" in (refused.value.details() or "")
+
+
+def test_an_environment_reward_is_scored_alone_or_added_to_a_rule(service: RewardProcess) -> None:
+    """The `env` manager takes what an agent reported with its close (the trajectory's labels,
+    or `extra` from any caller); an environment that could not score is INFRA_ERROR, an item
+    that reports nothing is refused, never scored 0."""
+    import grpc
+
+    def reporting(item_id: str, answer: str, status: str, score: float = 0.0, **more: str):
+        labels = {"env_reward": repr(score), "env_reward_status": status, **more}
+        return qa(item_id, answer, data_source="arith", extra=labels)
+
+    items = [
+        reporting("ok", "Answer: 42", "ok", 0.5),
+        reporting("fail", "Answer: 41", "fail", 0.25, env_reward_message="format only"),
+        reporting("error", "Answer: 42", "error", env_reward_message="verifier crashed"),
+    ]
+    alone = score(service, "env", items)
+    assert [(r.status, r.score) for r in alone[:2]] == [(OK, 0.5), (POLICY_FAIL, 0.25)]
+    assert alone[1].message == "format only"
+    assert alone[2].status == INFRA and "verifier crashed" in alone[2].message
+    added = score(service, "env_and_rules", items[:2])
+    assert [(r.status, r.score) for r in added] == [(OK, 1.5), (POLICY_FAIL, 0.25)]
+    assert dict(added[0].components) == {"env": 0.5, "rules": 1.0}
+    for bad, words in (
+        (qa("silent", "Answer: 42", data_source="arith"), "reports no environment reward"),
+        (reporting("odd", "x", "great"), "malformed environment reward"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            score(service, "env", [bad])
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in (refused.value.details() or ""), refused.value.details()
 
 
 def test_list_managers_describes_every_configured_manager(service: RewardProcess) -> None:

@@ -321,3 +321,38 @@ def test_token_level_scores_need_a_generated_token() -> None:
     with pytest.raises(Exception, match="2 bytes for 3"):
         token_level_scores(RewardItem("a", response_token_ids=(1, 2, 3), response_mask=b"\1\1"), 1)
     assert token_level_scores(RewardItem("a", response_token_ids=(1, 2)), 2.0) == (0.0, 2.0)
+
+
+def test_an_environment_reward_round_trips_through_labels_and_bad_ones_are_named() -> None:
+    from relayrl.core.env_reward import EnvReward, from_labels
+
+    reported = EnvReward("fail", 0.25, "2 of 8 checks")
+    assert from_labels({"task": "x", **reported.to_labels()}) == reported
+    assert from_labels({"task": "x"}) is None
+    for labels, words in (
+        ({"env_reward": "1"}, "without env_reward_status"),
+        ({"env_reward": "one", "env_reward_status": "ok"}, "not a number"),
+        ({"env_reward": "1", "env_reward_status": "great"}, "status must be one of"),
+        ({"env_reward": "nan", "env_reward_status": "ok"}, "finite"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            from_labels(labels)
+
+
+def test_the_env_manager_refuses_to_add_a_group_normalising_manager() -> None:
+    config = RewardConfig.model_validate(
+        {
+            "managers": {
+                "rules": {"type": "naive"},
+                "gdpo": {"type": "gdpo", "components": {"c": {"manager": "rules"}}},
+                "env": {"type": "env", "add": "gdpo"},
+            },
+            "default_manager": "rules",
+        }
+    )
+
+    async def build() -> None:
+        build_managers(config.managers, CollectorRegistry())
+
+    with pytest.raises(ValueError, match="normalises whole groups"):
+        asyncio.run(build())

@@ -40,12 +40,17 @@ def checked_spec(spec: SessionSpec, session_id: str, default_partition: str) -> 
     if not spec.uid:
         if spec.index or spec.claim_id:
             raise invalid("index and claim_id need the uid of the claimed group", "uid")
+        if spec.ground_truth:
+            raise invalid(
+                "ground_truth: a caller cannot set the ground truth its own answer is scored "
+                "against; report the environment's reward with the close (env_reward) instead",
+                "ground_truth",
+            )
         return SessionSpec(
             partition=_partition(spec.partition or default_partition),
             uid=f"agent-{session_id}",
             index=0,
             data_source=spec.data_source,
-            ground_truth=spec.ground_truth,
             labels=dict(spec.labels),
         )
     try:

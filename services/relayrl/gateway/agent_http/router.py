@@ -19,6 +19,7 @@ from relayrl.gateway.agent_http.protocol import (
     AbortSessionRequest,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CloseSessionRequest,
     CompletionResponse,
     CompletionsRequest,
     ErrorResponse,
@@ -236,7 +237,10 @@ class AgentHttpServer:
         return _json(state)
 
     async def close_session(self, request: web.Request) -> web.Response:
-        end = await self._sessions.close_session(request.match_info["session_id"])
+        body = parse(CloseSessionRequest, await _json_body(request, optional=True))
+        end = await self._sessions.close_session(
+            request.match_info["session_id"], env_reward=body.env_reward
+        )
         return _json(SessionEnded.of(end))
 
     async def abort_session(self, request: web.Request) -> web.Response:

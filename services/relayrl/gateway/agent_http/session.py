@@ -24,6 +24,8 @@ from relayrl.proto.common.v1 import common_pb2
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from relayrl.core.env_reward import EnvReward
+
 SESSION_LABEL = "agent_session"
 
 
@@ -171,7 +173,12 @@ class AgentSession:
         )
 
     def trajectory(
-        self, tokenizer: PreTrainedTokenizerBase, *, failed: bool, reason: str
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        failed: bool,
+        reason: str,
+        env_reward: EnvReward | None = None,
     ) -> common_pb2.Trajectory:
         group, transcript = self.claim.group, self.transcript
         assert group is not None, "a session with generated tokens has its group"
@@ -185,6 +192,8 @@ class AgentSession:
         )
         trajectory = trajectory_of(group, self.index, rollout, self.clock.opened_at)
         trajectory.labels[SESSION_LABEL] = self.session_id
+        if env_reward is not None:
+            trajectory.labels.update(env_reward.to_labels())
         if failed:
             trajectory.finish_reason = "error"
             trajectory.error = reason[:2000]

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from relayrl.core.env_reward import EnvReward
 from relayrl.gateway.agent_http.access import SessionTokens
 from relayrl.gateway.agent_http.conversations import Conversation, TurnPlan, build_conversations
 from relayrl.gateway.agent_http.domain import (
@@ -128,6 +129,15 @@ class AgentSessions:
         `agent_http.open_partitions` lists, so that no caller writes ad-hoc groups into, or
         opens sessions on the claims of, a partition the trainer reads. The gateway's own
         external agents open theirs with `open`."""
+        if not spec.uid and not self.config.adhoc_sessions:
+            raise AgentError(
+                ErrorKind.FORBIDDEN,
+                "ad-hoc sessions are off on this gateway (agent_http.adhoc_sessions): a "
+                "session that names no claimed group makes a group of one sample, which GRPO "
+                "cannot train; run the agent through the gateway (agents.external) so that it "
+                "rolls out claimed groups of n",
+                param="uid",
+            )
         partition = spec.partition or self.config.partition
         allowed = self.config.open_partitions or [self.config.partition]
         if partition not in allowed:
@@ -196,9 +206,12 @@ class AgentSessions:
             code="session_not_found",
         )
 
-    async def close_session(self, session_id: str) -> SessionEnd:
-        """Put the trajectory as finished (or discard a session that generated nothing).
-        Closing an ended session again returns how it ended."""
+    async def close_session(
+        self, session_id: str, env_reward: EnvReward | None = None
+    ) -> SessionEnd:
+        """Put the trajectory as finished (or discard a session that generated nothing), with
+        the environment's reward when the agent reports one. Closing an ended session again
+        returns how it ended."""
         if session_id in self._ended:
             return self._ended[session_id]
         session = self.get(session_id)
@@ -210,7 +223,7 @@ class AgentSessions:
             )
         if not len(session.transcript.response):
             return self._forget(session, session.end("discarded", "closed before any generation"))
-        return await self._put(session, failed=False, reason="")
+        return await self._put(session, failed=False, reason="", env_reward=env_reward)
 
     async def abort(self, session_id: str, reason: str) -> SessionEnd:
         """Put the trajectory as failed (is_infra) with `reason`; discard a session that
@@ -232,12 +245,21 @@ class AgentSessions:
             return self._forget(session, session.end("discarded", reason))
         return await self._put(session, failed=True, reason=reason)
 
-    async def _put(self, session: AgentSession, *, failed: bool, reason: str) -> SessionEnd:
+    async def _put(
+        self,
+        session: AgentSession,
+        *,
+        failed: bool,
+        reason: str,
+        env_reward: EnvReward | None = None,
+    ) -> SessionEnd:
         activity = session.activity
         if activity.ending:
             raise AgentError(ErrorKind.CONFLICT, f"session {session.session_id} is ending")
         activity.ending = True
-        trajectory = session.trajectory(self.tokenizer, failed=failed, reason=reason)
+        trajectory = session.trajectory(
+            self.tokenizer, failed=failed, reason=reason, env_reward=env_reward
+        )
         try:
             await self._store.put(
                 session.partition, trajectory, session.claim.claim_id, failed=failed

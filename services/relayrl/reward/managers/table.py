@@ -14,6 +14,7 @@ from pydantic import Field
 
 from relayrl.reward.managers.base import ManagerConfigBase, ManagerContext, RewardManager
 from relayrl.reward.managers.custom import CustomConfig
+from relayrl.reward.managers.env import EnvConfig
 from relayrl.reward.managers.gdpo import GdpoConfig
 from relayrl.reward.managers.judge import DisRMConfig, GenRMConfig, RemoteConfig
 from relayrl.reward.managers.naive import NaiveConfig
@@ -36,6 +37,7 @@ ManagerConfig = Annotated[
     | SandboxConfig
     | RemoteSandboxConfig
     | ReasoningGymConfig
+    | EnvConfig
     | CustomConfig,
     Field(discriminator="type"),
 ]
@@ -51,6 +53,7 @@ MANAGER_TYPES: tuple[str, ...] = (
     "sandbox",
     "sandbox_remote",
     "reasoning_gym",
+    "env",
     "custom",
 )
 

@@ -20,6 +20,7 @@ from relayrl.gateway.agent_http.protocol.chat import ChatCompletionRequest, Chat
 from relayrl.gateway.agent_http.protocol.completions import CompletionResponse, CompletionsRequest
 from relayrl.gateway.agent_http.protocol.sessions import (
     AbortSessionRequest,
+    CloseSessionRequest,
     ModelCard,
     ModelList,
     OpenSessionRequest,
@@ -33,6 +34,7 @@ __all__ = [
     "AnswerOptions",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
+    "CloseSessionRequest",
     "CompletionResponse",
     "CompletionsRequest",
     "ErrorResponse",

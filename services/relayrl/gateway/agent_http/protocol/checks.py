@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from relayrl.core import env_reward
 from relayrl.gateway.agent_http.errors import AgentError, ErrorKind, invalid
 
 Check = Callable[[Any, str], Any]
@@ -299,4 +300,35 @@ def check_labels(value: Any, name: str) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
     ):
         raise invalid("labels must map strings to strings", "labels")
+    reserved = sorted(set(labels) & set(env_reward.LABELS))
+    if reserved:
+        raise invalid(
+            f"labels {reserved} are reserved: an environment reward is reported with the "
+            "session's close (env_reward)",
+            "labels",
+        )
     return labels
+
+
+def check_env_reward(value: Any, name: str) -> env_reward.EnvReward | None:
+    """`{"status": "ok" | "fail" | "error", "score": number, "message": string}`."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(f"{name} must be an object {{status, score, message}}", name)
+    unknown = sorted(set(value) - {"status", "score", "message"})
+    if unknown:
+        raise invalid(f"{name}: unknown fields {unknown}; known: message, score, status", name)
+    status, score, message = value.get("status"), value.get("score", 0.0), value.get("message", "")
+    if status not in env_reward.STATUSES:
+        raise invalid(f"{name}.status must be one of {', '.join(env_reward.STATUSES)}", name)
+    if isinstance(score, bool) or not isinstance(score, int | float):
+        raise invalid(f"{name}.score must be a number", name)
+    if status != "error" and "score" not in value:
+        raise invalid(f"{name}.score is required when status is {status!r}", name)
+    if not isinstance(message, str):
+        raise invalid(f"{name}.message must be a string", name)
+    try:
+        return env_reward.EnvReward(status, float(score), message)
+    except ValueError as exc:
+        raise invalid(f"{name}: {exc}", name) from None

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from relayrl.core.env_reward import EnvReward
 from relayrl.gateway.agent_http.domain import SessionEnd, SessionSpec
 from relayrl.gateway.agent_http.errors import invalid
 from relayrl.gateway.agent_http.protocol import checks
@@ -47,6 +48,24 @@ class OpenSessionRequest(BaseModel):
             ground_truth=self.ground_truth,
             labels=self.labels,
         )
+
+
+class CloseSessionRequest(BaseModel):
+    """The body is optional. `env_reward`: the environment's own reward for the trajectory
+    (`{"status": "ok" | "fail" | "error", "score": number, "message": string}`), used by the
+    reward-service's `env` manager where the group's data_source is routed to it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    env_reward: Annotated[EnvReward | None, checked(checks.check_env_reward)] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, body: Any) -> Any:
+        unknown = sorted(set(body) - set(cls.model_fields)) if isinstance(body, dict) else []
+        if unknown:
+            reject(invalid(f"unknown fields {unknown}; known: env_reward"))
+        return body
 
 
 class AbortSessionRequest(OpenAIRequest):
