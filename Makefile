@@ -72,8 +72,8 @@ test-learning: setup ## the full default `relayrl up` run, asserting the held-ou
 	$(BIN)/python -m pytest --run-learning -m learning tests
 
 lint: setup ## ruff check + format check; every proto compiles and v1 changed additively only
-	$(BIN)/ruff check services testkit tests bench deploy
-	$(BIN)/ruff format --check services testkit tests bench deploy
+	$(BIN)/ruff check services testkit tests bench deploy examples
+	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
 bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust ## run every benchmark

@@ -47,7 +47,7 @@ def _up_config(args: argparse.Namespace):
     if args.resume is not None:
         from relayrl.up.run import load_run_config
 
-        own = (args.config, args.task, args.mode, args.model, args.data, args.heldout)
+        own = (args.config, args.task, args.mode, args.model, args.data, args.heldout, args.agent)
         if any(own) or args.eta is not None:
             raise ValueError("--resume continues a run with its own config; give only --steps")
         config = load_run_config(args.resume)
@@ -60,14 +60,16 @@ def _up_config(args: argparse.Namespace):
     flags = {"task": ("task", "name"), "mode": ("train", "mode"), "eta": ("train", "eta")}
     flags |= {"steps": ("train", "steps"), "runs_dir": ("runs_dir",)}
     flags |= {"model": ("model", "path"), "data": ("data", "train_files")}
-    flags |= {"heldout": ("data", "heldout_files")}
+    flags |= {"heldout": ("data", "heldout_files"), "agent": ("agent", "command")}
     if args.task is not None and args.data:
         raise ValueError("--task and --data: the data files are the task; give one of them")
     for flag, path in flags.items():
         value = getattr(args, flag, None)
         if value is None:
             continue
-        if isinstance(value, Path):
+        if flag == "agent":
+            value = _agent_argv(value)
+        elif isinstance(value, Path):
             value = str(value)
         elif isinstance(value, list):
             value = [str(v) for v in value]
@@ -113,6 +115,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     return Run(config, run_dir, resume=args.resume is not None, workload=workload).main()
 
 
+def _agent_argv(command: str) -> list[str]:
+    import shlex
+
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(f"--agent {command!r}: {exc}") from None
+    if not argv:
+        raise ValueError("--agent: give the agent's command, e.g. --agent 'python my_agent.py'")
+    return argv
+
+
 def _absolute_paths(config):
     data = config.data
     updates = {
@@ -126,6 +140,9 @@ def _absolute_paths(config):
     }
     if config.model.path is not None:
         updates["model"] = config.model.model_copy(update={"path": config.model.path.absolute()})
+    if config.agent.command is not None:
+        cwd = (config.agent.cwd or Path.cwd()).absolute()
+        updates["agent"] = config.agent.model_copy(update={"cwd": cwd})
     return config.model_copy(update=updates)
 
 
@@ -133,10 +150,17 @@ def _checked_workload(config):
     """The run's workload, with the user's model checked against it: the family, the chat
     template, and every prompt's length; ValueError (one line) for the first mistake."""
     from relayrl.up.prepare import max_tokens
-    from relayrl.up.workload import check_model_dir, check_prompt_lengths, load_workload
+    from relayrl.up.workload import (
+        check_agent_command,
+        check_model_dir,
+        check_prompt_lengths,
+        load_workload,
+    )
 
     if config.model.path is not None:
         check_model_dir(config.model.path)
+    if config.agent.command is not None:
+        check_agent_command(config.agent.command, config.agent.cwd)
     workload = load_workload(config)
     if config.model.path is not None:
         check_prompt_lengths(
@@ -386,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="FILE",
         help="held-out data (data.heldout_files; repeatable; default: a hash split of --data)",
+    )
+    up.add_argument(
+        "--agent",
+        metavar="COMMAND",
+        help="your agent program, run once per training sample with OPENAI_BASE_URL and "
+        "OPENAI_API_KEY set to its session (agent.command; e.g. 'python my_agent.py')",
     )
     up.add_argument(
         "--mode",

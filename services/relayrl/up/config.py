@@ -273,6 +273,31 @@ class SecuritySection(StrictModel):
     )
 
 
+EXTERNAL_AGENT = "external"
+
+
+class AgentSection(StrictModel):
+    """Your own agent (`--agent "python my_agent.py"`): a program the gateway starts once per
+    training sample, with its session's OpenAI URL and key (OPENAI_BASE_URL, OPENAI_API_KEY)
+    and the task as JSON on stdin; it closes its session when done (docs/architecture.md
+    #external-agents, examples/agents/). The held-out evaluation still runs the task's built-in
+    loop: it measures the policy, not the agent."""
+
+    command: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="argv of the agent; null: the task's built-in agent loop.",
+    )
+    cwd: Path | None = Field(None, description="Where it runs; null: where relayrl up was started.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Variables added to its environment."
+    )
+    deadline_s: float = Field(
+        300.0, gt=0.0, le=86_400.0, description="Longest one sample's agent may run."
+    )
+    max_concurrent: int = Field(16, ge=1, le=4096, description="Agents running at once.")
+
+
 class ServicesSection(StrictModel):
     """Fields merged over the generated config of each service (deep merge). The composed
     system (relayrl.stack) is checked when this file is read, before anything starts: a field
@@ -295,6 +320,9 @@ class UpConfig(StrictModel):
         default_factory=ModelSection, description="The policy: a folder, or the tiny Qwen2."
     )
     data: DataSection = Field(default_factory=DataSection, description="A user's dataset.")
+    agent: AgentSection = Field(
+        default_factory=AgentSection, description="Your own agent program (else built-in loops)."
+    )
     reward: RewardSection = Field(default_factory=RewardSection, description="Rewards.")
     warm_start: WarmStartSection = Field(default_factory=WarmStartSection, description="SFT.")
     train: TrainSection = Field(default_factory=TrainSection, description="GRPO.")

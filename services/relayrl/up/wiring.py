@@ -11,7 +11,7 @@ from relayrl.core.config import LoggingConfig
 from relayrl.stack import EngineDiscovery, Identities, RolloutShape, StackConfig, Wiring
 from relayrl.stack.local import LocalPorts
 from relayrl.tq.config import TQConfig
-from relayrl.up.config import UpConfig
+from relayrl.up.config import EXTERNAL_AGENT, UpConfig
 from relayrl.up.prepare import max_tokens
 from relayrl.up.secrets import REDIS_PASSWORD_ENV, run_identities
 
@@ -69,14 +69,28 @@ def up_own_settings(
     if config.security.authenticate:  # the operator (relayrl up) is the reward API's tenant
         identities = run_identities(run_dir)
         reward["auth"] = {"type": "static_token", "tokens_file": str(identities.tokens_file)}
+    gateway: dict[str, Any] = {
+        "engines": {"health_interval_s": 1.0},
+        "rollout": {"lease_s": 20.0, "claimer": "gateway-0"},
+        "agent_http": {"enabled": True, "port": ports.agent_http},
+        "weightsync": {"default_timeout_s": 30},
+    }
+    agent = config.agent
+    if agent.command is not None:
+        gateway["agents"] = {
+            "external": {
+                EXTERNAL_AGENT: {
+                    "command": agent.command,
+                    "cwd": str(agent.cwd) if agent.cwd else None,
+                    "env": agent.env,
+                    "deadline_s": agent.deadline_s,
+                    "max_concurrent": agent.max_concurrent,
+                }
+            }
+        }
     return {
         "reward": reward,
-        "gateway": {
-            "engines": {"health_interval_s": 1.0},
-            "rollout": {"lease_s": 20.0, "claimer": "gateway-0"},
-            "agent_http": {"enabled": True, "port": ports.agent_http},
-            "weightsync": {"default_timeout_s": 30},
-        },
+        "gateway": gateway,
         "weightsync": {
             "bucket_size_bytes": 4 * 1024 * 1024,
             "engines": {"load_timeout_s": 120},

@@ -19,17 +19,20 @@ anything has started.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
+import os
+import shutil
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from relayrl.tasks import Task
 from relayrl.tasks.datasets import DatasetError, Record, load_dataset
-from relayrl.up.config import BUILTIN_TASKS, UpConfig
+from relayrl.up.config import BUILTIN_TASKS, EXTERNAL_AGENT, UpConfig
 
 if TYPE_CHECKING:
     from relayrl.tasks.reasoning_gym import ReasoningGymTask
@@ -130,7 +133,30 @@ def load_user_function(path: str) -> Callable[..., Any]:
 
 def load_workload(config: UpConfig) -> Workload:
     """The run's workload; WorkloadError (one line) for any mistake in the task, the data
-    files or the reward function."""
+    files or the reward function. With `agent.command`, every training prompt is rolled out by
+    that agent (held-out ones keep the task's loop: evaluation measures the policy)."""
+    workload = _task_workload(config)
+    if config.agent.command is None:
+        return workload
+    train = [{**record, "agent": EXTERNAL_AGENT} for record in workload.train]
+    return dataclasses.replace(workload, train=train)  # type: ignore[arg-type]
+
+
+def check_agent_command(command: Sequence[str], cwd: Path | None) -> None:
+    """WorkloadError when the agent's program cannot be found."""
+    program = command[0]
+    if "/" in program:
+        found = (cwd or Path.cwd()) / program
+        if not (found.is_file() and os.access(found, os.X_OK)):
+            raise WorkloadError(f"agent.command: {program} is not an executable file")
+    elif shutil.which(program) is None:
+        raise WorkloadError(f"agent.command: {program!r} is not on PATH")
+    for argument in command[1:]:
+        if argument.endswith(".py") and not ((cwd or Path.cwd()) / argument).is_file():
+            raise WorkloadError(f"agent.command: no file {argument} (in {cwd or Path.cwd()})")
+
+
+def _task_workload(config: UpConfig) -> Workload:
     judge = Judge.for_run(config)
     if config.data.train_files:
         return _dataset_workload(config, judge)
@@ -156,8 +182,6 @@ def load_workload(config: UpConfig) -> Workload:
 
 def build_task(config: UpConfig) -> Task:
     """The built-in task with the configured knobs; WorkloadError (one line) for a bad knob."""
-    import dataclasses
-
     from relayrl.tasks import TASKS
 
     assert config.task.name in BUILTIN_TASKS, config.task.name

@@ -1,0 +1,85 @@
+"""`relayrl up --agent`: a user's agent program (examples/agents/, a multi-turn tool agent on the
+plain `openai` client) rolls out every training sample of a short run through the real stack:
+redis-server, the four services, a real vLLM engine and one agent process per sample.
+
+Every trained group has its `n` trajectories, each the gateway's record of the agent's session
+(the engine's own token ids, mask 0 on the tool results between generated turns, a policy
+version per span), trained exactly once; nothing is an infrastructure failure, and no agent
+process outlives the run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from relayrl_testkit.helpers.up import (
+    SHORT_RUN,
+    UpProcess,
+    audit_queue,
+    check_exactly_once,
+    deep_update,
+    processes_of,
+    service_warnings,
+    sharing_cache,
+    steps_logged,
+)
+
+AGENT = Path(__file__).resolve().parents[3] / "examples" / "agents" / "openai_tool_agent.py"
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
+    return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
+
+
+def agents_alive() -> list[str]:
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if str(AGENT) in " ".join(process.info["cmdline"] or ()):
+            found.append(f"{process.info['pid']}: {' '.join(process.info['cmdline'])}")
+    return found
+
+
+@pytest.mark.timeout(900)
+def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> None:
+    config = deep_update(SHORT_RUN, {"task": {"name": "lookup"}})
+    steps, n = config["train"]["steps"], config["train"]["samples_per_prompt"]
+    up = UpProcess.start(runs_dir, config, "--mode", "sync", "--agent", f"{sys.executable} {AGENT}")
+    try:
+        assert up.wait(900) == 0, up.output()
+        run_dir, output = up.run_dir, up.output()
+    finally:
+        up.stop()
+    assert f"trained lookup for {steps} steps in sync" in output, output
+
+    records = steps_logged(run_dir)
+    assert [r["step"] for r in records] == list(range(steps))
+    audit = audit_queue(run_dir)
+    check_exactly_once(run_dir, audit)
+    infra = audit.infra_trajectories()
+    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
+    trained = {uid for record in records for uid in record["uids"]}
+    assert trained
+    multi_turn = 0
+    for uid in trained:
+        entry = audit.groups[uid]
+        assert entry.group.agent == "external"
+        assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
+        for trajectory in entry.trajectories:
+            # recorded by the gateway's session, not written by the agent
+            assert trajectory.labels["agent_session"], trajectory.labels
+            mask = bytes(trajectory.response_mask)
+            assert len(mask) == len(trajectory.response_token_ids) > 0
+            assert len(trajectory.rollout_logprobs) == len(mask)
+            spans = [span for span in trajectory.spans if span.generated]
+            assert spans and all(span.policy_version >= 0 for span in spans)
+            assert sum(span.end - span.start for span in spans) == sum(mask)
+            if 0 in mask:  # tool results between generated turns
+                multi_turn += 1
+                assert len(spans) >= 2 and mask[0] == 1 and mask[-1] == 1
+    # the warm-started policy calls the lookup tool, so sessions span several turns
+    assert multi_turn > 0
+    assert processes_of(run_dir) == [] and agents_alive() == []
