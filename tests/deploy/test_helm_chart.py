@@ -660,6 +660,49 @@ def test_the_trainer_reads_a_dataset_from_its_volume(
     assert mount == {"name": "dataset", "mountPath": "/data/dataset", "readOnly": True}
 
 
+def test_agent_programs_come_from_their_image_and_run_in_the_gateway(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered["agents"]
+    config_map = next(
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-gateway")
+    )
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert config["rollout"]["default_agent"] == "tool-agent"
+    external = config["agents"]["external"]
+    assert external == {
+        "tool-agent": {
+            "command": ["python", "/opt/agents/http_tool_agent.py", "--serve"],
+            "deadline_s": 300.0,
+            "max_concurrent": 32,
+            "serve": True,
+        },
+        "verifier": {
+            "command": ["/opt/agents/venv/bin/python", "/opt/agents/verifier_env.py"],
+            "env": {"VERIFIER_MODE": "strict"},
+            "deadline_s": 600.0,
+            "max_concurrent": 8,
+        },
+    }
+    gateway = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway")
+    )
+    pod = gateway["spec"]["template"]["spec"]
+    (init,) = [c for c in pod["initContainers"] if c["name"] == "agents"]
+    assert init["image"] == "registry.example.com/team-a/agents:1.4.0"
+    assert init["command"] == ["cp", "-R", "/agents/.", "/opt/agents/"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "agents")
+    assert mount == {"name": "agents", "mountPath": "/opt/agents", "readOnly": True}
+    assert {"name": "agents", "emptyDir": {}} in pod["volumes"]
+    # without agents nothing of it is rendered
+    default = next(
+        d
+        for d in rendered["default"]
+        if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway")
+    )
+    assert "agents" not in json.dumps(default["spec"]["template"]["spec"]["volumes"])
+
+
 def test_engines_are_discoverable_and_listed(rendered: dict[str, list[dict[str, Any]]]) -> None:
     docs = rendered["gpu-separate-async"]
     configs = {
@@ -783,7 +826,8 @@ def test_services_authenticate_each_other_and_each_pod_holds_only_its_own_token(
     )
     data = secret["stringData"]
     digests = yaml.safe_load(data["tokens.yaml"])
-    assert set(digests) == {"trainer", "weightsync", "gateway", "operator"}
+    # the services', the operator's, and the agents' (agent frameworks open sessions with it)
+    assert set(digests) == {"trainer", "weightsync", "gateway", "operator", "agent"}
     for principal, digest in digests.items():
         token = data[f"{principal}.token"]
         assert len(token) >= 32 and digest == "sha256:" + hashlib.sha256(token.encode()).hexdigest()

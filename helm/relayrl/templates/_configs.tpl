@@ -27,6 +27,22 @@ agent_http:
   host: 0.0.0.0
   port: {{ include "relayrl.port.agent" . }}
   model_name: policy
+{{- with .Values.gateway.agents.external }}
+agents:
+  external:
+  {{- range $name, $agent := . }}
+    {{ $name }}:
+      command: {{ toJson $agent.command }}
+      {{- with $agent.env }}
+      env: {{ toJson . }}
+      {{- end }}
+      deadline_s: {{ $agent.deadlineS | default 600 | float64 }}
+      max_concurrent: {{ $agent.maxConcurrent | default 8 | int }}
+      {{- if $agent.serve }}
+      serve: true
+      {{- end }}
+  {{- end }}
+{{- end }}
 weightsync:
   target: {{ include "relayrl.grpcTarget" (dict "root" . "component" "weightsync") }}
   {{- include "relayrl.identityToken" (dict "root" . "principal" "gateway") }}

@@ -153,11 +153,19 @@ class ExternalAgentConfig(StrictModel):
     max_concurrent: int = Field(
         8, ge=1, le=4096, description="Agents of this kind running at once."
     )
+    serve: bool = Field(
+        False,
+        description="One long-running process takes every sample's task (a JSON line on "
+        "stdin with its session's base_url and api_key; it answers a line {session_id, error} "
+        "per task) instead of one process per sample: the program starts once.",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_run(self) -> ExternalAgentConfig:
         if (self.command is None) == (self.callable is None):
             raise ValueError("give exactly one of command (a program) and callable (a function)")
+        if self.serve and self.command is None:
+            raise ValueError("serve goes with command (a callable runs in the gateway)")
         if self.callable is not None and (self.env or self.cwd):
             raise ValueError("env and cwd go with command; a callable runs in the gateway")
         return self

@@ -14,6 +14,10 @@ missing sample the runner
    "sample_index"}`;
 3. waits for it, up to `deadline_s`, then kills the whole process group.
 
+With `serve: true` one long-running process takes every sample's task instead (one JSON line
+per task in, one result line per task out: relayrl.gateway.served_agent), so the program's
+start-up is paid once.
+
 The agent ends its session with `POST $RELAYRL_SESSION_URL/close`: the trajectory is then put
 as finished and the reward-service scores it as any other.
 
@@ -38,7 +42,6 @@ import inspect
 import json
 import logging
 import os
-import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,6 +52,7 @@ from relayrl.core.env_reward import EnvReward
 from relayrl.gateway.agent_http.domain import SessionSpec
 from relayrl.gateway.agent_http.errors import AgentError
 from relayrl.gateway.agent_http.protocol.checks import check_env_reward
+from relayrl.gateway.served_agent import AgentServer, kill_group
 
 if TYPE_CHECKING:
     from relayrl.gateway.agent_http.sessions import AgentSessions
@@ -75,15 +79,22 @@ class AgentRun:
 
 
 def agent_environment(
-    base: Mapping[str, str], extra: Mapping[str, str], session_url: str, token: str
+    base: Mapping[str, str],
+    extra: Mapping[str, str],
+    *,
+    session_url: str | None = None,
+    token: str | None = None,
 ) -> dict[str, str]:
+    """What an agent process runs with: a few of the gateway's variables, the configured ones
+    and, for a process of one sample, its session's URL and token."""
     env = {name: base[name] for name in PASSED_ENV if name in base}
     env.update(extra)
-    env.update(
-        OPENAI_BASE_URL=f"{session_url}/v1",
-        OPENAI_API_KEY=token,
-        RELAYRL_SESSION_URL=session_url,
-    )
+    if session_url is not None and token is not None:
+        env.update(
+            OPENAI_BASE_URL=f"{session_url}/v1",
+            OPENAI_API_KEY=token,
+            RELAYRL_SESSION_URL=session_url,
+        )
     return env
 
 
@@ -105,6 +116,12 @@ class ExternalAgent:
         self._endpoint = endpoint
         self._slots = asyncio.Semaphore(config.max_concurrent)
         self._function = None
+        self._server: AgentServer | None = None
+        if config.serve:
+            assert config.command is not None
+            self._server = AgentServer(
+                name, config.command, agent_environment(os.environ, config.env), config.cwd
+            )
         if config.callable is not None:
             try:
                 self._function = import_object(config.callable, f"agents.external.{name}")
@@ -137,15 +154,22 @@ class ExternalAgent:
             }
             if self._function is not None:
                 reason = await self._run_function(task, session_id, session_url, token)
+            elif self._server is not None:
+                task |= {"base_url": f"{session_url}/v1", "api_key": token}
+                task["session_url"] = session_url
+                reason = await self._server.run(task, self.config.deadline_s)
             else:
-                env = agent_environment(os.environ, self.config.env, session_url, token)
+                env = agent_environment(
+                    os.environ, self.config.env, session_url=session_url, token=token
+                )
                 reason = await self._run_process(task, env)
         ended = self._sessions.ended(session_id)
         if reason is None and ended is not None and ended.outcome == "finished":
             return AgentRun(finished=True)
         if reason is None:
+            done = "finished its task" if self._server is not None else "exited 0"
             reason = (
-                f"agent {self.name!r} exited 0 without closing its session"
+                f"agent {self.name!r} {done} without closing its session"
                 if ended is None
                 else f"agent {self.name!r} ended its session as {ended.outcome}: {ended.reason}"
             )
@@ -156,6 +180,11 @@ class ExternalAgent:
         # A session that generated nothing is discarded, not put: the caller puts the failure.
         needs_put = ended is None or ended.outcome == "discarded"
         return AgentRun(finished=False, reason=reason, needs_put=needs_put)
+
+    async def close(self) -> None:
+        """Stops a served agent's process (a process-per-sample agent has none left)."""
+        if self._server is not None:
+            await self._server.close()
 
     async def _run_function(
         self, task: dict[str, object], session_id: str, session_url: str, token: str
@@ -211,7 +240,7 @@ class ExternalAgent:
             except TimeoutError:
                 return f"agent {self.name!r} ran past its deadline of {self.config.deadline_s} s"
         finally:
-            _kill_group(process)  # whatever it started goes with it, on cancellation too
+            kill_group(process)  # whatever it started goes with it, on cancellation too
             await process.wait()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(stderr), 5.0)
@@ -240,11 +269,6 @@ def _extra_info(labels: Mapping[str, str]) -> dict[str, object]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _kill_group(process: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
 
 
 async def _tail(stream: asyncio.StreamReader | None, limit: int) -> str:

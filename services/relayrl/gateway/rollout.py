@@ -359,7 +359,8 @@ class RolloutWorker:
                 await self._put(claim, TrajectoryPut(trajectory, claim.claim_id, failed=True))
         else:
             try:
-                trajectory, failed = await self._rollout(group, index, session_id, started), False
+                trajectory = await self._rollout(loop, group, index, session_id, started)
+                failed = False
             except (EngineError, EngineTimeout, ToolFailure, NoReplicaAvailable) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
                 logger.warning("rollout %s failed (infrastructure): %s", session_id, reason)
@@ -395,9 +396,13 @@ class RolloutWorker:
                 delay_s = min(delay_s * 2, 5.0)
 
     async def _rollout(
-        self, group: common_pb2.PromptGroup, index: int, session_id: str, started: float
+        self,
+        loop: AgentLoop | None,
+        group: common_pb2.PromptGroup,
+        index: int,
+        session_id: str,
+        started: float,
     ) -> common_pb2.Trajectory:
-        loop = self._loops.get(group.agent or self._default_agent)
         if loop is None:
             raise ToolFailure(
                 f"group {group.uid} asks for agent loop {group.agent!r}, which this gateway "

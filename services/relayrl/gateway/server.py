@@ -218,6 +218,9 @@ class GatewayApp:
         await self.sweeper.close()
         for worker in self.workers:
             await worker.close()
+        for loop in self.loops.values():
+            if isinstance(loop, ExternalAgent):
+                await loop.close()  # a served agent's process
         if self.discovery is not None:
             await self.discovery.close()
         if self.registrar is not None:

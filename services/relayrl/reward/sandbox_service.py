@@ -204,9 +204,11 @@ class SandboxService:
 
 
 async def _end_of(reader: asyncio.StreamReader) -> None:
-    """Return at the caller's EOF (whatever it sends after its request line is ignored)."""
-    while await reader.read(1 << 16):
-        pass
+    """Return at the caller's EOF or reset (whatever it sends after its request line is
+    ignored)."""
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(1 << 16):
+            pass
 
 
 def _clear_socket_path(path: Path) -> None:

@@ -28,7 +28,6 @@ from typing import Any
 
 EXTRA_INFO_LABEL = "extra_info"
 SUFFIXES = (".jsonl", ".parquet")
-DEFAULT_AGENT = "single_turn"
 _ROLES = ("system", "user", "assistant", "tool")
 Record = dict[str, Any]
 
@@ -131,8 +130,7 @@ def to_record(row: Any, where: str) -> Record:
         "messages": _messages(row["prompt"], where),
         "ground_truth": _ground_truth(row, where),
         "data_source": source,
-        "agent": DEFAULT_AGENT,
-    }
+    }  # no agent: the trainer's data.agent, else the gateway's rollout.default_agent
     extra_info = row.get("extra_info")
     if extra_info is not None:
         if not isinstance(extra_info, dict):

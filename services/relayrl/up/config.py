@@ -296,6 +296,11 @@ class AgentSection(StrictModel):
         300.0, gt=0.0, le=86_400.0, description="Longest one sample's agent may run."
     )
     max_concurrent: int = Field(16, ge=1, le=4096, description="Agents running at once.")
+    serve: bool = Field(
+        False,
+        description="One long-running process takes every sample's task (a JSON line each on "
+        "stdin, e.g. examples/agents/http_tool_agent.py --serve) instead of one per sample.",
+    )
 
 
 class ServicesSection(StrictModel):

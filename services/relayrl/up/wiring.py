@@ -85,6 +85,7 @@ def up_own_settings(
                     "env": agent.env,
                     "deadline_s": agent.deadline_s,
                     "max_concurrent": agent.max_concurrent,
+                    "serve": agent.serve,
                 }
             }
         }

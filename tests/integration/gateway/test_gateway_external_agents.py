@@ -41,6 +41,15 @@ def group(uid: str, agent: str, **labels: str) -> common_pb2.PromptGroup:
     )
 
 
+def agents_alive() -> list[str]:
+    """Agent processes anywhere (this module alone runs chat_agent)."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if chat_agent.__file__ in " ".join(process.info["cmdline"] or ()):
+            found.append(f"{process.info['pid']}: {' '.join(process.info['cmdline'])}")
+    return found
+
+
 def agents_of(process: ServiceProcess) -> list[str]:
     """The agent processes still alive under the gateway."""
     found = []
@@ -57,12 +66,18 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
     redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
 ) -> None:
     behaviours = {"good": "well", "crash": "crash", "hang": "hang", "noclose": "noclose"}
-    rewarded = {"rewarded": [*AGENT, "--reward", "0.75"]}
+    commands = {"rewarded": [*AGENT, "--reward", "0.75"]}
+    # the example agents of examples/agents/ (plain openai, raw HTTP), tools offered
+    examples = Path(__file__).resolve().parents[3] / "examples" / "agents"
+    commands |= {
+        name: [sys.executable, str(examples / f"{name}_tool_agent.py")]
+        for name in ("openai", "http")
+    }
     config = {
         "tq": {"url": redis_server.url},
         "tokenizer": str(model_dir),
         "engines": {"urls": [engine.url], "health_interval_s": 0.5, "request_timeout_s": 60},
-        "rollout": {"partitions": [P], "batch_size": 16},
+        "rollout": {"partitions": [P], "batch_size": 32},
         "agent_http": {"model_name": "policy", "max_tokens": 200, "default_max_tokens": 16},
         "agents": {
             "external": {
@@ -75,7 +90,17 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
             }
             | {
                 name: {"command": command, "env": {"PYTHONPATH": ":".join(sys.path)}}
-                for name, command in rewarded.items()
+                for name, command in commands.items()
+            }
+            # served agents: one process takes every task (a second one dies)
+            | {
+                name: {
+                    "command": [*AGENT, "--serve"],
+                    "serve": True,
+                    "deadline_s": 120.0,
+                    "env": {"PYTHONPATH": ":".join(sys.path)},
+                }
+                for name in ("served", "served-die")
             }
             # the same agent as a coroutine function, run in the gateway
             | {"fn": {"callable": "relayrl_testkit.agents.chat_agent:agent"}}
@@ -87,6 +112,13 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         groups_put = [group(f"g-{name}", name) for name in behaviours]
         groups_put += [group("g-fn", "fn"), group("g-fnraise", "fn", behave="raise")]
         groups_put += [group("g-rewarded", "rewarded"), group("g-fnrewarded", "fn", reward="0.5")]
+        groups_put += [group("g-openai", "openai"), group("g-http", "http")]
+        groups_put += [
+            group("g-served", "served"),
+            group("g-served-error", "served", behave="error"),
+        ]
+        groups_put += [group("g-served-noclose", "served", behave="noclose")]
+        groups_put += [group("g-served-die", "served-die", behave="die")]
         # a group label cannot pose as a reported reward: only the close writes one
         groups_put += [group("g-posing", "good", env_reward="1.0", env_reward_status="ok")]
         tq.put_groups(P, groups_put)
@@ -97,11 +129,22 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
                 break
             assert time.monotonic() < deadline, gateway.log()[-4000:]
             time.sleep(0.5)
+        # the served agent that died starts again for the next task
+        tq.put_groups(P, [group("g-served-again", "served-die")])
+        while len(tq.get_groups(P, ["g-served-again"])[0].trajectories) < 2:
+            assert time.monotonic() < deadline, gateway.log()[-4000:]
+            time.sleep(0.5)
+        groups["g-served-again"] = tq.get_groups(P, ["g-served-again"])[0]
+        served = agents_of(gateway)  # the two served agents' processes, and nothing else
+        assert len(served) == 2 and all("--serve" in line for line in served), served
         time.sleep(1.0)  # the last agents' process groups are reaped
-        assert agents_of(gateway) == []
+    assert agents_alive() == []  # the gateway's shutdown stopped the served ones
 
     good = groups["g-good"].trajectories + groups["g-fn"].trajectories
     assert [t.tags.is_infra for t in good] == [False] * 4
+    for name in ("g-openai", "g-http", "g-served", "g-served-again"):
+        assert [t.tags.is_infra for t in groups[name].trajectories] == [False] * 2, name
+        assert all(t.response_token_ids for t in groups[name].trajectories), name
     # the environment's reward rides on the trajectory as reported with the close
     reported = {
         uid: [(t.labels.get("env_reward"), t.labels.get("env_reward_status")) for t in
@@ -124,6 +167,9 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         "hang": ["ran past its deadline of 4.0 s"],
         "noclose": ["exited 0 without closing its session"],
         "fnraise": ["raised RuntimeError: the agent function fell over"],
+        "served-error": ["agent 'served' reported: RuntimeError: the environment broke"],
+        "served-noclose": ["agent 'served' finished its task without closing its session"],
+        "served-die": ["agent 'served-die' process exited 5: the served agent fell over"],
     }
     for name, words in expected.items():
         for trajectory in groups[f"g-{name}"].trajectories:

@@ -1,6 +1,7 @@
-"""`relayrl up --agent`: a user's agent program (examples/agents/, a multi-turn tool agent on the
-plain `openai` client) rolls out every training sample of a short run through the real stack:
-redis-server, the four services, a real vLLM engine and one agent process per sample.
+"""`relayrl up --agent`: a user's agent program (examples/agents/agents_sdk_agent.py, a
+multi-turn tool agent written with the OpenAI Agents SDK, in the SDK's own virtual environment
+that `make setup` builds) rolls out every training sample of a short run through the real
+stack: redis-server, the four services, a real vLLM engine and one agent process per sample.
 
 Every trained group has its `n` trajectories, each the gateway's record of the agent's session
 (the engine's own token ids, mask 0 on the tool results between generated turns, a policy
@@ -9,7 +10,6 @@ process outlives the run."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import psutil
@@ -27,7 +27,9 @@ from relayrl_testkit.helpers.up import (
     steps_logged,
 )
 
-AGENT = Path(__file__).resolve().parents[3] / "examples" / "agents" / "openai_tool_agent.py"
+REPO = Path(__file__).resolve().parents[3]
+AGENT = REPO / "examples" / "agents" / "agents_sdk_agent.py"
+SDK_PYTHON = REPO / ".venv" / "share" / "venvs" / "agents-sdk" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,8 @@ def agents_alive() -> list[str]:
 def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> None:
     config = deep_update(SHORT_RUN, {"task": {"name": "lookup"}})
     steps, n = config["train"]["steps"], config["train"]["samples_per_prompt"]
-    up = UpProcess.start(runs_dir, config, "--mode", "sync", "--agent", f"{sys.executable} {AGENT}")
+    assert SDK_PYTHON.exists(), f"{SDK_PYTHON}: run make setup"
+    up = UpProcess.start(runs_dir, config, "--mode", "sync", "--agent", f"{SDK_PYTHON} {AGENT}")
     try:
         assert up.wait(900) == 0, up.output()
         run_dir, output = up.run_dir, up.output()

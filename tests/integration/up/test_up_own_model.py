@@ -210,7 +210,7 @@ def test_input_mistakes_are_one_line_before_anything_starts(smollm2: Path, tmp_p
     up_refuses(runs, "--task", "reasoning_gym:no_such_set", text="no dataset 'no_such_set'")
     up_refuses(runs, "--agent", "no-such-agent --fast", text="'no-such-agent' is not on PATH")
     up_refuses(runs, "--agent", "python3 missing_agent.py", text="no file missing_agent.py")
-    up_refuses(runs, "--agent", "'unclosed", text="--agent \"'unclosed\": No closing quotation")
+    up_refuses(runs, "--agent", "'unclosed", text='--agent "\'unclosed": No closing quotation')
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()

@@ -381,3 +381,18 @@ def test_the_router_answers_every_failure_in_openai_shape_with_its_status() -> N
     assert "X-Relayrl-Session names other" in answers[6][1]["error"]["message"]
     assert answers[9][1]["reason"] == ""  # an empty abort body: no reason given
     assert [body["error"]["type"] for _, body in answers[10:18]] == [k.value for k in ErrorKind]
+
+
+def test_tools_reach_the_template_as_name_description_and_parameters_only() -> None:
+    """An SDK that adds `strict` (the OpenAI Agents SDK does) gets the prompt a plain client
+    gets: `strict` is a request to the API server, not part of what the model reads."""
+    function = {"name": "lookup", "description": "Look up a key.", "parameters": {"type": "object"}}
+    plain_tool = {"type": "function", "function": function}
+    plain = parse(ChatCompletionRequest, chat(tools=[plain_tool]), MODEL)
+    sdk_tool = {"type": "function", "function": {**function, "strict": False}}
+    sdk = parse(ChatCompletionRequest, chat(tools=[sdk_tool]), MODEL)
+    assert (
+        sdk.to_domain().tools
+        == plain.to_domain().tools
+        == [{"type": "function", "function": function}]
+    )

@@ -43,7 +43,6 @@ def test_verl_and_flat_rows_become_the_same_kind_of_record(tmp_path: Path) -> No
             "messages": [{"role": "user", "content": "What is 2 + 3?"}],
             "ground_truth": "5",
             "data_source": "arith",
-            "agent": "single_turn",
             # kept for an external agent's task (strings only on a group's labels)
             "labels": {"extra_info": '{"index": 0, "split": "train"}'},
         },
@@ -51,7 +50,6 @@ def test_verl_and_flat_rows_become_the_same_kind_of_record(tmp_path: Path) -> No
             "messages": [{"role": "user", "content": "What is 4 + 4?"}],
             "ground_truth": "8",
             "data_source": "arith",
-            "agent": "single_turn",
         },
     ]
     assert data.sources == {"arith": 3}

@@ -2,12 +2,11 @@
 and claiming ad-hoc groups, renewing leases and putting trajectories, with the TransferQueue's
 failures told apart as the session logic needs them (`AgentError` kinds).
 
-The TransferQueue claims the oldest pending groups and cannot claim one by uid, so an ad-hoc
-group is claimed one group at a time until the gateway holds its own, and the groups passed
-over are released again; `agent_http.partition` defaults to a partition of its own ("agent")
-so that nothing normally lies ahead. Ad-hoc groups name the agent loop "agent_http", which no
-rollout loop has: if one ever returns to pending (a gateway crashed), a rollout worker fails
-it as infra instead of rolling it out with another loop."""
+An ad-hoc group is put and claimed in one atomic step (the TransferQueue's put_and_claim), so
+it is never pending for another claimer and no other group is claimed on the way. Ad-hoc
+groups name the agent loop "agent_http", which no rollout loop has: if one ever returns to
+pending (a gateway crashed), a rollout worker fails it as infra instead of rolling it out with
+another loop."""
 
 from __future__ import annotations
 

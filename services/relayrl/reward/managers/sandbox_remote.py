@@ -21,6 +21,7 @@ from pydantic import Field
 from relayrl.reward.items import InfraError, InvalidItem, RewardItem, Status, Verdict
 from relayrl.reward.managers.base import ManagerConfigBase, ManagerContext, RewardManager
 from relayrl.reward.managers.sandbox import extract_code, item_tests
+from relayrl.reward.sandbox_service import MAX_REPLY_BYTES, encode
 
 
 class RemoteSandboxConfig(ManagerConfigBase):
@@ -81,8 +82,6 @@ class RemoteSandboxManager(RewardManager):
         raise InfraError(f"the sandbox service at {self.config.socket}: {status}: {message}")
 
     async def _ask(self, request: dict[str, str]) -> dict[str, object]:
-        from relayrl.reward.sandbox_service import MAX_REPLY_BYTES, encode
-
         where = self.config.socket
         try:
             reader, writer = await asyncio.open_unix_connection(where, limit=MAX_REPLY_BYTES)

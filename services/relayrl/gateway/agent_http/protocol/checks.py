@@ -195,11 +195,20 @@ def check_tool_choice(value: Any, name: str) -> Any:
     return value
 
 
+# What of a function definition the chat template is given: the model sees these. `strict` (and
+# any other key) is a request to the API server, not part of what the model reads; the gateway
+# does not constrain tool-call arguments (the policy's own calls are what is trained).
+FUNCTION_KEYS = ("name", "description", "parameters")
+
+
 def check_tools(value: Any, name: str) -> list[dict[str, Any]] | None:
+    """The tools as the chat template renders them: each function's name, description and
+    parameters only, so that an SDK adding `strict` gets the prompt a plain client gets."""
     if value is None:
         return None
     if not isinstance(value, list):
         raise invalid("tools must be a list", "tools")
+    canonical = []
     for position, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type") != "function":
@@ -208,7 +217,9 @@ def check_tools(value: Any, name: str) -> list[dict[str, Any]] | None:
             )
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise invalid(f"tools[{position}].function.name is missing", "tools")
-    return value or None
+        kept = {key: function[key] for key in FUNCTION_KEYS if key in function}
+        canonical.append({"type": "function", "function": kept})
+    return canonical or None
 
 
 def canonical_message(message: Any, position: int) -> dict[str, Any]:

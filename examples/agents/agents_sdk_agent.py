@@ -1,0 +1,83 @@
+"""The same tool agent written with a real agent framework: the OpenAI Agents SDK
+(`openai-agents`), unchanged but for where its model lives. The SDK runs the turn loop: it
+sends chat completions to the session, calls the tools the model asks for, feeds their results
+back, and stops when the model answers.
+
+`make setup` builds the SDK's own virtual environment (it pins `websockets` below what relayrl's
+lock has), so the agent runs with that interpreter:
+
+    relayrl up --task lookup \\
+        --agent ".venv/share/venvs/agents-sdk/bin/python examples/agents/agents_sdk_agent.py"
+
+Only two settings point the SDK at relayrl: the model is `OpenAIChatCompletionsModel` on an
+`AsyncOpenAI` client that reads OPENAI_BASE_URL / OPENAI_API_KEY (the session), and tracing is
+off (it would export to OpenAI's servers). The tools are `FunctionTool`s with the schemas the
+gateway's own tools have, so the prompt renders as for relayrl's `tool_agent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+from agents import (
+    Agent,
+    FunctionTool,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    set_tracing_disabled,
+)
+from agents.exceptions import MaxTurnsExceeded
+from openai import AsyncOpenAI
+from tools import MAX_TURNS, TOOLS, close_session, run_tool, session_of
+
+
+def sdk_tools(labels: dict[str, str]) -> list[FunctionTool]:
+    def tool(schema: dict[str, Any]) -> FunctionTool:
+        function = schema["function"]
+
+        async def invoke(_context: Any, arguments: str) -> str:
+            return run_tool(function["name"], arguments, labels)
+
+        return FunctionTool(
+            name=function["name"],
+            description=function["description"],
+            params_json_schema=function["parameters"],
+            on_invoke_tool=invoke,
+            strict_json_schema=False,
+        )
+
+    return [tool(schema) for schema in TOOLS]
+
+
+async def solve(task: dict[str, Any]) -> None:
+    session = session_of(task)
+    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=2)
+    agent = Agent(
+        name="solver",
+        model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+        model_settings=ModelSettings(parallel_tool_calls=None),
+        tools=sdk_tools(task["labels"]),
+    )
+    messages = [{"role": m["role"], "content": m["content"]} for m in task["messages"]]
+    try:
+        await Runner.run(agent, messages, max_turns=MAX_TURNS)
+    except MaxTurnsExceeded:
+        pass  # the session holds every turn it took; it is a (probably wrong) answer
+    finally:
+        await client.close()
+
+
+def main() -> int:
+    set_tracing_disabled(True)
+    task = json.loads(sys.stdin.readline())
+    asyncio.run(solve(task))
+    close_session(session_of(task))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The same multi-turn tool agent as openai_tool_agent.py with no SDK at all: chat completions
+as plain HTTP requests from the standard library. The gateway's agent endpoint is the OpenAI
+chat-completions API, so this is all an agent needs.
+
+    relayrl up --task lookup --agent "python examples/agents/http_tool_agent.py"
+
+With `--serve` it is a served agent (the gateway's `serve: true`): one process takes every
+sample's task from stdin, each on a thread, so Python starts once rather than per sample.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from tools import MAX_TURNS, TOOLS, close_session, post, run_tool, serve, session_of
+
+
+def solve(task: dict[str, Any]) -> None:
+    session = session_of(task)
+    url = session["base_url"] + "/chat/completions"
+    messages: list[dict[str, Any]] = list(task["messages"])
+    for _ in range(MAX_TURNS):
+        body = {"model": "policy", "messages": messages, "tools": TOOLS}
+        message = post(url, body, session["api_key"])["choices"][0]["message"]
+        calls = message.get("tool_calls") or []
+        messages.append({k: v for k, v in message.items() if v is not None})
+        if not calls:
+            break
+        for call in calls:
+            function = call["function"]
+            result = run_tool(function["name"], function["arguments"], task["labels"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    close_session(session)
+
+
+def main() -> int:
+    if "--serve" in sys.argv[1:]:
+        return serve(solve)
+    solve(json.loads(sys.stdin.readline()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
