@@ -39,6 +39,7 @@ WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 SERVICES = ("gateway", "reward", "weightsync", "trainer")
 EXPECTED_ACCELERATORS = {
     "default": set(),
+    "agents": set(),
     "cpu-demo": set(),
     "external-redis": set(),
     "tls": set(),
