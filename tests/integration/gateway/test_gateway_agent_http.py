@@ -707,6 +707,12 @@ def test_with_auth_an_agent_opens_sessions_and_each_session_answers_only_its_own
                 assert r.status == 403
         status, body = await gw.post(f"/sessions/{one}/close", headers=bearer(first["token"]))
         assert status == 200, body
+        # a closed session's token opens nothing any more: the session is gone (410)
+        with pytest.raises(openai.APIStatusError) as gone:
+            await agent.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+        assert gone.value.status_code == 410, gone.value
 
     with process:
         gw = Gateway(process)
