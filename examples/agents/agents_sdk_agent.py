@@ -9,10 +9,15 @@ lock has), so the agent runs with that interpreter:
     relayrl up --task lookup \\
         --agent ".venv/share/venvs/agents-sdk/bin/python examples/agents/agents_sdk_agent.py"
 
+Importing the SDK takes about two CPU-seconds, so with `--serve` (and `agent.serve: true`) one
+process takes every sample's task instead.
+
 Only two settings point the SDK at relayrl: the model is `OpenAIChatCompletionsModel` on an
-`AsyncOpenAI` client that reads OPENAI_BASE_URL / OPENAI_API_KEY (the session), and tracing is
-off (it would export to OpenAI's servers). The tools are `FunctionTool`s with the schemas the
-gateway's own tools have, so the prompt renders as for relayrl's `tool_agent`.
+`AsyncOpenAI` client on the sample's session (OPENAI_BASE_URL / OPENAI_API_KEY, or the task's
+`base_url` / `api_key` when served), and tracing is off (it would export to OpenAI's servers).
+The tools are `FunctionTool`s with the schemas the gateway's own tools have, so the prompt
+renders as for relayrl's `tool_agent`. When the model stops without `Answer: <integer>`, the
+agent asks once more for it, as the other example agents do.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from agents import (
 )
 from agents.exceptions import MaxTurnsExceeded
 from openai import AsyncOpenAI
-from tools import MAX_TURNS, TOOLS, close_session, run_tool, session_of
+from tools import MAX_TURNS, NUDGE, TOOLS, close_session, needs_nudge, run_tool, session_of
 
 
 def sdk_tools(labels: dict[str, str]) -> list[FunctionTool]:
@@ -62,17 +67,46 @@ async def solve(task: dict[str, Any]) -> None:
         model_settings=ModelSettings(parallel_tool_calls=None),
         tools=sdk_tools(task["labels"]),
     )
-    messages = [{"role": m["role"], "content": m["content"]} for m in task["messages"]]
+    messages: list[Any] = [{"role": m["role"], "content": m["content"]} for m in task["messages"]]
     try:
-        await Runner.run(agent, messages, max_turns=MAX_TURNS)
+        result = await Runner.run(agent, messages, max_turns=MAX_TURNS)
+        if needs_nudge(str(result.final_output or ""), nudged=False):
+            nudge = [*result.to_input_list(), {"role": "user", "content": NUDGE}]
+            await Runner.run(agent, nudge, max_turns=MAX_TURNS)
     except MaxTurnsExceeded:
         pass  # the session holds every turn it took; it is a (probably wrong) answer
     finally:
         await client.close()
 
 
+async def serve() -> None:
+    """A served agent (`serve: true`): one task per stdin line, each solved concurrently on
+    this process's event loop, one result line per task on stdout."""
+    loop = asyncio.get_running_loop()
+    running: set[asyncio.Task[None]] = set()
+
+    async def one(task: dict[str, Any]) -> None:
+        try:
+            await solve(task)
+            await asyncio.to_thread(close_session, session_of(task))
+            error = None
+        except Exception as exc:  # reported for this task; the others go on
+            error = f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"session_id": task["session_id"], "error": error}), flush=True)
+
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        if line.strip():
+            task = asyncio.create_task(one(json.loads(line)))
+            running.add(task)
+            task.add_done_callback(running.discard)
+    await asyncio.gather(*running)
+
+
 def main() -> int:
     set_tracing_disabled(True)
+    if "--serve" in sys.argv[1:]:  # the SDK's imports take seconds: pay them once
+        asyncio.run(serve())
+        return 0
     task = json.loads(sys.stdin.readline())
     asyncio.run(solve(task))
     close_session(session_of(task))

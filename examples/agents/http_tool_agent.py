@@ -14,20 +14,34 @@ import json
 import sys
 from typing import Any
 
-from tools import MAX_TURNS, TOOLS, close_session, post, run_tool, serve, session_of
+from tools import (
+    MAX_TURNS,
+    NUDGE,
+    TOOLS,
+    close_session,
+    needs_nudge,
+    post,
+    run_tool,
+    serve,
+    session_of,
+)
 
 
 def solve(task: dict[str, Any]) -> None:
     session = session_of(task)
     url = session["base_url"] + "/chat/completions"
     messages: list[dict[str, Any]] = list(task["messages"])
+    nudged = False
     for _ in range(MAX_TURNS):
         body = {"model": "policy", "messages": messages, "tools": TOOLS}
         message = post(url, body, session["api_key"])["choices"][0]["message"]
         calls = message.get("tool_calls") or []
         messages.append({k: v for k, v in message.items() if v is not None})
         if not calls:
-            break
+            if not needs_nudge(message.get("content"), nudged):
+                break
+            messages.append({"role": "user", "content": NUDGE})
+            nudged = True
         for call in calls:
             function = call["function"]
             result = run_tool(function["name"], function["arguments"], task["labels"])

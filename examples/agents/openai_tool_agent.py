@@ -24,20 +24,33 @@ import sys
 from typing import Any
 
 import openai
-from tools import MAX_TURNS, TOOLS, close_session, run_tool, serve, session_of
+from tools import (
+    MAX_TURNS,
+    NUDGE,
+    TOOLS,
+    close_session,
+    needs_nudge,
+    run_tool,
+    serve,
+    session_of,
+)
 
 
 def solve(task: dict[str, Any]) -> None:
     session = session_of(task)
     client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=2)
     messages: list[dict[str, Any]] = list(task["messages"])
+    nudged = False
     for _ in range(MAX_TURNS):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         message = reply.choices[0].message
         calls = message.tool_calls or []
         messages.append(message.model_dump(exclude_none=True))
         if not calls:
-            break
+            if not needs_nudge(message.content, nudged):
+                break
+            messages.append({"role": "user", "content": NUDGE})
+            nudged = True
         for call in calls:
             result = run_tool(call.function.name, call.function.arguments, task["labels"])
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})

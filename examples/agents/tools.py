@@ -17,6 +17,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 MAX_TURNS = 4
+# When the model stops without an answer in the task's format, the agent asks once more.
+ANSWER_MARK = "Answer:"
+NUDGE = "Give your final answer in the form: Answer: <integer>"
+
+
+def needs_nudge(reply: str | None, nudged: bool) -> bool:
+    """Whether to ask once more: the model's final reply has no `Answer:` yet."""
+    return not nudged and ANSWER_MARK not in (reply or "")
+
+
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",

@@ -1,7 +1,8 @@
 """`relayrl up --agent`: a user's agent program (examples/agents/agents_sdk_agent.py, a
 multi-turn tool agent written with the OpenAI Agents SDK, in the SDK's own virtual environment
-that `make setup` builds) rolls out every training sample of a short run through the real
-stack: redis-server, the four services, a real vLLM engine and one agent process per sample.
+that `make setup` builds, served: one process takes every sample's task) rolls out every
+training sample of a short run through the real stack: redis-server, the four services and a
+real vLLM engine.
 
 Every trained group has its `n` trajectories, each the gateway's record of the agent's session
 (the engine's own token ids, mask 0 on the tool results between generated turns, a policy
@@ -47,10 +48,12 @@ def agents_alive() -> list[str]:
 
 @pytest.mark.timeout(900)
 def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> None:
-    config = deep_update(SHORT_RUN, {"task": {"name": "lookup"}})
+    # served: one SDK process takes every sample's task (its imports cost seconds)
+    config = deep_update(SHORT_RUN, {"task": {"name": "lookup"}, "agent": {"serve": True}})
     steps, n = config["train"]["steps"], config["train"]["samples_per_prompt"]
     assert SDK_PYTHON.exists(), f"{SDK_PYTHON}: run make setup"
-    up = UpProcess.start(runs_dir, config, "--mode", "sync", "--agent", f"{SDK_PYTHON} {AGENT}")
+    agent = f"{SDK_PYTHON} {AGENT} --serve"
+    up = UpProcess.start(runs_dir, config, "--mode", "sync", "--agent", agent)
     try:
         assert up.wait(900) == 0, up.output()
         run_dir, output = up.run_dir, up.output()
