@@ -145,6 +145,14 @@ class EngineClient(abc.ABC):
 # --- vLLM over HTTP --------------------------------------------------------------------------
 
 
+# How long an idle connection to an engine is kept for reuse: below the engine's own keep-alive
+# (vLLM's uvicorn closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s). aiohttp's
+# default, 15 s, could reuse a connection the engine was closing at that moment; the request then
+# failed with ServerDisconnectedError and its rollout failed as infra (seen in bench-agents after
+# a pause between rounds).
+KEEPALIVE_S = 3.0
+
+
 class VllmEngineClient(EngineClient):
     """A vLLM server started by `relayrl engine` (dev-mode RL endpoints, scale-out generate
     endpoint, relayrl's worker extension)."""
@@ -171,8 +179,9 @@ class VllmEngineClient(EngineClient):
         import aiohttp
 
         if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), trust_env=False, headers=self._headers
+                connector=connector, trust_env=False, headers=self._headers
             )
         return self._session
 
