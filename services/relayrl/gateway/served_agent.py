@@ -102,13 +102,14 @@ class AgentServer:
             logger.info("agent %s serving as process %d", self.name, process.pid)
             self._process = process
             self._stderr = ""
-            self._readers = [
-                asyncio.create_task(self._read_results(process), name=f"agent-{self.name}-out"),
-                asyncio.create_task(self._read_stderr(process), name=f"agent-{self.name}-err"),
-            ]
+            stderr = asyncio.create_task(self._read_stderr(process), name=f"agent-{self.name}-err")
+            results = self._read_results(process, stderr)
+            self._readers = [stderr, asyncio.create_task(results, name=f"agent-{self.name}-out")]
             return process
 
-    async def _read_results(self, process: asyncio.subprocess.Process) -> None:
+    async def _read_results(
+        self, process: asyncio.subprocess.Process, stderr: asyncio.Task[None]
+    ) -> None:
         assert process.stdout is not None
         while True:
             try:
@@ -119,7 +120,8 @@ class AgentServer:
                 break
             self._settle(line)
         code = await process.wait()
-        await asyncio.sleep(0.1)  # the stderr reader catches the last words
+        with contextlib.suppress(TimeoutError):  # the last words reach the stderr tail
+            await asyncio.wait_for(asyncio.shield(stderr), 1.0)
         how = f"was killed by signal {-code}" if code < 0 else f"exited {code}"
         tail = self._stderr.strip()
         reason = f"agent {self.name!r} process {how}" + (f": {tail}" if tail else "")

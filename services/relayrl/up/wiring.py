@@ -79,14 +79,8 @@ def up_own_settings(
     if agent.command is not None:
         gateway["agents"] = {
             "external": {
-                EXTERNAL_AGENT: {
-                    "command": agent.command,
-                    "cwd": str(agent.cwd) if agent.cwd else None,
-                    "env": agent.env,
-                    "deadline_s": agent.deadline_s,
-                    "max_concurrent": agent.max_concurrent,
-                    "serve": agent.serve,
-                }
+                # the section's fields are ExternalAgentConfig's
+                EXTERNAL_AGENT: agent.model_dump(mode="json")
             }
         }
     return {
