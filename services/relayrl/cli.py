@@ -48,7 +48,7 @@ def _up_config(args: argparse.Namespace):
         from relayrl.up.run import load_run_config
 
         own = (args.config, args.task, args.mode, args.model, args.data, args.heldout, args.agent)
-        if any(own) or args.eta is not None:
+        if any(own) or args.eta is not None or args.env_reward or args.agent_serve:
             raise ValueError("--resume continues a run with its own config; give only --steps")
         config = load_run_config(args.resume)
     else:
@@ -77,6 +77,10 @@ def _up_config(args: argparse.Namespace):
             data[path[0]] = value
         else:
             data[path[0]][path[1]] = value
+    if args.env_reward:
+        data["reward"]["env"] = True
+    if args.agent_serve:
+        data["agent"]["serve"] = True
     if args.mode is not None and args.eta is None and (args.resume or args.config):
         data["train"]["eta"] = None  # the mode's own default, not the file's eta
     try:
@@ -416,6 +420,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="COMMAND",
         help="your agent program, run once per training sample with OPENAI_BASE_URL and "
         "OPENAI_API_KEY set to its session (agent.command; e.g. 'python my_agent.py')",
+    )
+    up.add_argument(
+        "--agent-serve",
+        action="store_true",
+        help="one long-running agent process takes every sample's task as a JSON line on "
+        "stdin (agent.serve), for an agent slow to start",
+    )
+    up.add_argument(
+        "--env-reward",
+        action="store_true",
+        help="score with the reward the agent's environment reports at its close (reward.env; "
+        "e.g. examples/agents/verifiers_agent.py)",
     )
     up.add_argument(
         "--mode",

@@ -177,7 +177,8 @@ def _check_sources(
         more = f" and {len(unknown) - 1} more unknown" if len(unknown) > 1 else ""
         raise DatasetError(
             f"data_source {source!r} has no scorer ({len(rows)} rows, first: "
-            f"{'; '.join(rows[:3])}){more}; known: {', '.join(sorted(known_sources))}"
+            f"{'; '.join(rows[:3])}){more}; known: {', '.join(sorted(known_sources))} "
+            "(or your reward.function, or an agent's environment with reward.env)"
         )
 
 
@@ -187,13 +188,19 @@ def load_dataset(
     *,
     heldout_fraction: float = 0.1,
     known_sources: Collection[str] | None = None,
+    hold_out: bool = True,
 ) -> Dataset:
     """Both splits of a user's dataset. DatasetError (one line) for any mistake, including a
-    data_source outside `known_sources` (when given) and a split left empty."""
+    data_source outside `known_sources` (when given) and a split left empty. Without
+    `hold_out` (nothing can judge a held-out answer) every row trains."""
     if not train_files:
         raise DatasetError("no training files given")
     records, places = read_records(train_files)
-    if heldout_files:
+    if not hold_out:
+        if heldout_files:
+            raise DatasetError("held-out files were given, but this run evaluates none")
+        train, heldout = records, []
+    elif heldout_files:
         heldout, heldout_places = read_records(heldout_files)
         places += heldout_places
         held = {prompt_key(r) for r in heldout}
@@ -206,7 +213,7 @@ def load_dataset(
     if known_sources is not None:
         _check_sources(records + (heldout if heldout_files else []), places, known_sources)
     for name, split in (("training", train), ("held-out", heldout)):
-        if not split:
+        if not split and (hold_out or name == "training"):
             raise DatasetError(f"the {name} split is empty; give more rows or another split")
     sources: dict[str, int] = {}
     for record in train + heldout:

@@ -123,11 +123,23 @@ class RewardSection(StrictModel):
         default_factory=list,
         description="data_source values `function` scores; empty: all of them.",
     )
+    env: bool = Field(
+        False,
+        description="Score with the reward the agent's environment reports when it closes its "
+        "session (the `env` manager; e.g. a verifiers environment, examples/agents/"
+        "verifiers_agent.py), every data_source but those `function` scores. Needs an agent; "
+        "no held-out evaluation (only the agent's environment can judge).",
+    )
 
     @model_validator(mode="after")
     def _sources_need_function(self) -> RewardSection:
         if self.data_sources and self.function is None:
             raise ValueError("data_sources needs a function")
+        if self.env and self.function is not None and not self.data_sources:
+            raise ValueError(
+                "env and a function without data_sources would both score every data_source; "
+                "name the function's data_sources"
+            )
         return self
 
 
@@ -366,6 +378,14 @@ class UpConfig(StrictModel):
             raise ValueError(
                 f"warm_start.enabled: only the built-in tasks ({', '.join(BUILTIN_TASKS)}) have "
                 f"SFT examples, not {self.task_label}; leave it null or false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _env_reward_has_an_agent(self) -> UpConfig:
+        if self.reward.env and self.agent.command is None:
+            raise ValueError(
+                "reward.env: only an agent reports its environment's reward; give agent.command"
             )
         return self
 

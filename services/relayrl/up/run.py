@@ -174,15 +174,18 @@ class Run:
         self.stack = Stack(c, self.run_dir, warm, files, on_event=self._on_event)
         self.stack.build()
         self.stack.start(ORDER[:-1], say=self.say)
-        self.evaluator = Evaluator(
-            workload.judge,
-            files.heldout,
-            warm,
-            max_tokens=max_tokens(c),
-            temperature=c.train.temperature,
-            sampled=c.eval.sampled,
-            engine_token=operator_identity(self.run_dir).token,
-        )
+        if workload.heldout:
+            self.evaluator = Evaluator(
+                workload.judge,
+                files.heldout,
+                warm,
+                max_tokens=max_tokens(c),
+                temperature=c.train.temperature,
+                sampled=c.eval.sampled,
+                engine_token=operator_identity(self.run_dir).token,
+            )
+        else:
+            self.say("  held-out evaluation: off (the agent's environment scores every answer)")
         if not any(r.get("kind") == "warm_start" for r in read_records(self.eval_log)):
             self._evaluate("warm_start", 0)
         self.stack.start(("trainer",), say=self.say)
@@ -230,7 +233,9 @@ class Run:
             self._eval_thread.join(timeout=300)
 
     def _evaluate(self, kind: str, step: int) -> EvalRecord | None:
-        assert self.evaluator is not None and self.stack is not None
+        assert self.stack is not None
+        if self.evaluator is None:
+            return None
         try:
             # The evaluation talks to the engine itself: only once the gateway would route to
             # it (it holds the committed version), not while it restarts or loads.

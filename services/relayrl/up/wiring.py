@@ -124,11 +124,13 @@ def up_own_settings(
 
 USER_MANAGER = "user"
 REASONING_GYM_MANAGER = "reasoning_gym"
+ENV_MANAGER = "env"
 
 
 def up_reward_settings(config: UpConfig) -> dict[str, Any]:
-    """The reward-service's managers: the rule scorers (the default), the reasoning-gym
-    checker for a reasoning_gym task, and the user's function for its data sources."""
+    """The reward-service's managers: the rule scorers (the default, or with `reward.env` the
+    environment's reported reward), the reasoning-gym checker for a reasoning_gym task, and the
+    user's function for its data sources."""
     from relayrl.reward.config import RewardConfig
 
     managers: dict[str, Any] = {}
@@ -138,6 +140,9 @@ def up_reward_settings(config: UpConfig) -> dict[str, Any]:
         managers[REASONING_GYM_MANAGER] = {"type": "reasoning_gym"}
         by_source[config.task.name] = REASONING_GYM_MANAGER
     reward = config.reward
+    if reward.env:
+        managers[ENV_MANAGER] = {"type": "env"}
+        scorer["manager"] = ENV_MANAGER
     if reward.function is not None:
         managers[USER_MANAGER] = {"type": "custom", "path": reward.function}
         by_source |= {source: USER_MANAGER for source in reward.data_sources}

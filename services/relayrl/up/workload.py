@@ -61,10 +61,14 @@ class Judge:
         function: str | None = None,
         function_sources: Collection[str] = (),
         reasoning_gym_source: str | None = None,
+        env: bool = False,
     ) -> None:
         self._function = load_user_function(function) if function else None
         self._function_sources = set(function_sources)
         self._reasoning_gym_source = reasoning_gym_source
+        self.env = env
+        """Every other data_source is scored by its environment (reward.env): no held-out
+        answer can be judged here."""
 
     @classmethod
     def for_run(cls, config: UpConfig) -> Judge:
@@ -73,6 +77,7 @@ class Judge:
         return cls(
             config.reward.function, config.reward.data_sources,
             reasoning_gym_source=None if config.data.train_files else reasoning,
+            env=config.reward.env,
         )  # fmt: skip
 
     def _by_function(self, data_source: str) -> bool:
@@ -84,7 +89,7 @@ class Judge:
         """data_source values this judge scores; None when every one (a catch-all function)."""
         from relayrl.reward.managers.rules import RULE_SCORERS
 
-        if self._function is not None and not self._function_sources:
+        if self.env or (self._function is not None and not self._function_sources):
             return None
         extra = [self._reasoning_gym_source] if self._reasoning_gym_source else []
         return sorted({*RULE_SCORERS, *self._function_sources, *extra})
@@ -204,7 +209,7 @@ def _dataset_workload(config: UpConfig, judge: Judge) -> Workload:
     try:
         dataset = load_dataset(
             data.train_files, data.heldout_files, heldout_fraction=data.heldout_fraction,
-            known_sources=judge.known_sources(),
+            known_sources=judge.known_sources(), hold_out=not judge.env,
         )  # fmt: skip
     except DatasetError as exc:
         raise WorkloadError(str(exc)) from None

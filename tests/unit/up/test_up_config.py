@@ -77,6 +77,16 @@ def test_flags_override_the_file(tmp_path: Path, capsys) -> None:
     assert printed["train"]["steps"] == 5 and printed["task"]["name"] == "lookup"
 
 
+def test_agent_flags_set_the_agent_section(capsys) -> None:
+    argv = ["up", "--agent", "python a.py --serve", "--agent-serve", "--env-reward"]
+    assert main([*argv, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["agent"]["command"] == ["python", "a.py", "--serve"]
+    assert printed["agent"]["serve"] is True and printed["reward"]["env"] is True
+    assert main(["up", "--env-reward", "--print-config"]) == 2
+    assert "reward.env: only an agent reports" in capsys.readouterr().err
+
+
 def test_status_without_a_run_says_how_to_start_one(tmp_path: Path, capsys) -> None:
     assert main(["status", "--runs-dir", str(tmp_path)]) == 2
     assert "no relayrl run in" in capsys.readouterr().err

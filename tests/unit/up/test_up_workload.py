@@ -106,6 +106,32 @@ def test_a_user_function_scores_its_data_sources(
     assert up_reward_settings(catch_all)["tq_scorer"]["manager"] == "user"
 
 
+def test_an_environments_reward_scores_every_other_data_source(tmp_path: Path) -> None:
+    rows = [verl_row(i, "verifiers/my-env") for i in range(20)] + [verl_row(20, "mine")]
+    train = write_rows(tmp_path / "train.jsonl", rows)
+    agent = {"command": ["python", "agent.py"]}
+    c = config(data={"train_files": [str(train)]}, reward={"env": True}, agent=agent)
+    workload = load_workload(c)
+    # only the environment can judge, so nothing is held out and every row trains
+    assert len(workload.train) == 21 and workload.heldout == []
+    assert all(record["agent"] == "external" for record in workload.train)
+    reward = up_reward_settings(c)
+    assert reward["managers"]["env"] == {"type": "env"}
+    assert reward["tq_scorer"]["manager"] == "env" and "naive" in reward["managers"]
+
+    held = write_rows(tmp_path / "held.jsonl", [verl_row(30, "verifiers/my-env")])
+    given = config(
+        data={"train_files": [str(train)], "heldout_files": [str(held)]},
+        reward={"env": True}, agent=agent,
+    )  # fmt: skip
+    with pytest.raises(WorkloadError, match="held-out files were given, but this run evaluates"):
+        load_workload(given)
+    with pytest.raises(ValueError, match="only an agent reports its environment's reward"):
+        config(reward={"env": True})
+    with pytest.raises(ValueError, match="would both score every data_source"):
+        config(reward={"env": True, "function": "m:f"}, agent=agent)
+
+
 def test_a_reward_function_that_cannot_be_imported_is_one_line() -> None:
     with pytest.raises(WorkloadError, match=r"^reward.function: .*no_such_module") as caught:
         load_workload(config(reward={"function": "no_such_module:score"}))

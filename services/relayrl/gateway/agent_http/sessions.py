@@ -222,7 +222,10 @@ class AgentSessions:
                 "(or abort it)",
             )
         if not len(session.transcript.response):
-            return self._forget(session, session.end("discarded", "closed before any generation"))
+            reason = "closed before any generation"
+            if env_reward is not None and env_reward.status != "ok":  # the environment's why
+                reason += f"; its environment reported {env_reward.status}: {env_reward.message}"
+            return self._forget(session, session.end("discarded", reason))
         return await self._put(session, failed=False, reason="", env_reward=env_reward)
 
     async def abort(self, session_id: str, reason: str) -> SessionEnd:
