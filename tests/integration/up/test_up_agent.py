@@ -7,15 +7,24 @@ real vLLM engine.
 Every trained group has its `n` trajectories, each the gateway's record of the agent's session
 (the engine's own token ids, mask 0 on the tool results between generated turns, a policy
 version per span), trained exactly once; nothing is an infrastructure failure, and no agent
-process outlives the run."""
+process outlives the run.
+
+`relayrl up --data --env-reward --agent` with a verifiers environment (examples/agents/
+verifiers_env's vf-arith, exported to a dataset and served by examples/agents/verifiers_agent.py
+in the verifiers virtual environment): the reward the trainer trains on is the environment's
+rubric, reported with each session's close."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
+from relayrl.proto.common.v1 import common_pb2
 from relayrl_testkit.helpers.up import (
     SHORT_RUN,
     UpProcess,
@@ -31,6 +40,9 @@ from relayrl_testkit.helpers.up import (
 REPO = Path(__file__).resolve().parents[3]
 AGENT = REPO / "examples" / "agents" / "agents_sdk_agent.py"
 SDK_PYTHON = REPO / ".venv" / "share" / "venvs" / "agents-sdk" / "bin" / "python"
+VERIFIERS_PYTHON = REPO / ".venv" / "share" / "venvs" / "verifiers" / "bin" / "python"
+VERIFIERS_AGENT = REPO / "examples" / "agents" / "verifiers_agent.py"
+VERIFIERS_ENV = {"PYTHONPATH": str(REPO / "examples" / "agents" / "verifiers_env")}
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +50,10 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
     return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
 
 
-def agents_alive() -> list[str]:
+def agents_alive(agent: Path = AGENT) -> list[str]:
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
-        if str(AGENT) in " ".join(process.info["cmdline"] or ()):
+        if str(agent) in " ".join(process.info["cmdline"] or ()):
             found.append(f"{process.info['pid']}: {' '.join(process.info['cmdline'])}")
     return found
 
@@ -89,3 +101,63 @@ def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> Non
     # the warm-started policy calls the lookup tool, so sessions span several turns
     assert multi_turn > 0
     assert processes_of(run_dir) == [] and agents_alive() == []
+
+
+@pytest.mark.timeout(900)
+def test_a_verifiers_environment_scores_what_the_trainer_trains_on(
+    runs_dir: Path, tmp_path: Path
+) -> None:
+    assert VERIFIERS_PYTHON.exists(), f"{VERIFIERS_PYTHON}: run make setup"
+    data = tmp_path / "vf-arith.jsonl"
+    export = [str(VERIFIERS_PYTHON), str(VERIFIERS_AGENT), "export", "--taskset", "vf-arith"]
+    rows = subprocess.run(
+        export, env=VERIFIERS_ENV, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    data.write_text(rows)
+    config = deep_update(SHORT_RUN, {"agent": {"env": VERIFIERS_ENV}})
+    steps, n = config["train"]["steps"], config["train"]["samples_per_prompt"]
+    agent = f"{VERIFIERS_PYTHON} {VERIFIERS_AGENT} --taskset vf-arith --serve"
+    up = UpProcess.start(
+        runs_dir, config, "--mode", "sync", "--data", str(data), "--env-reward",
+        "--agent-serve", "--agent", agent,
+    )  # fmt: skip
+    try:
+        assert up.wait(900) == 0, up.output()
+        run_dir, output = up.run_dir, up.output()
+    finally:
+        up.stop()
+    assert f"trained dataset for {steps} steps in sync" in output, output
+    assert "held-out evaluation: off" in output, output  # nothing but the environment can judge
+
+    records = steps_logged(run_dir)
+    assert [r["step"] for r in records] == list(range(steps))
+    audit = audit_queue(run_dir)
+    check_exactly_once(run_dir, audit)
+    infra = audit.infra_trajectories()
+    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
+    tasks = {json.dumps(json.loads(row)["prompt"]) for row in rows.splitlines()}
+    rewards = []
+    for record in records:
+        scores = []
+        for uid in record["uids"]:
+            entry = audit.groups[uid]
+            assert (
+                entry.group.agent == "external" and entry.group.data_source == "verifiers/vf-arith"
+            )
+            assert (
+                json.dumps([{"role": m.role, "content": m.content} for m in entry.group.messages])
+                in tasks
+            )
+            assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
+            for trajectory in entry.trajectories:
+                assert trajectory.labels["agent_session"], trajectory.labels
+                assert trajectory.labels["env_reward_status"] == "ok", trajectory.labels
+                # the reward-service's score is the environment's reported rubric
+                assert trajectory.reward.status == common_pb2.REWARD_STATUS_OK
+                assert trajectory.reward.score == float(trajectory.labels["env_reward"])
+                scores.append(trajectory.reward.score)
+        # the trainer's step trained on exactly those rewards
+        assert record["reward_mean"] == pytest.approx(np.mean(scores), abs=1e-6), record["step"]
+        rewards += scores
+    assert max(rewards) > 0.0  # the rubric's brevity term rewards every reply a little
+    assert processes_of(run_dir) == [] and agents_alive(VERIFIERS_AGENT) == []
