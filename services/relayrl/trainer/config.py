@@ -329,6 +329,12 @@ class WeightSyncPublishSettings(ClientCredentialsConfig):
         "sync mode; async modes may overlap the switch with the next step).",
     )
     timeout_s: float = Field(600.0, gt=0, description="Deadline for publish and commit.")
+    delta: bool = Field(
+        True,
+        description="Send each bucket as what changed since the last version where weight-sync "
+        "still holds that version and the delta is smaller (docs/weightsync.md#delta-versions); "
+        "each rank keeps its share of the last version's buckets in host memory for it.",
+    )
 
 
 PublishSettings = Annotated[

@@ -198,13 +198,19 @@ class Coordinator:
         metas: Sequence[common_pb2.TensorMeta],
         *,
         supersede: bool = False,
+        base_transfer_id: str = "",
     ) -> Transfer:
         """The plan of `version` (see `Versions.publish`)."""
-        return self._versions.publish(version, trainer_step, metas, supersede=supersede)
+        return self._versions.publish(
+            version, trainer_step, metas, supersede=supersede, base_transfer_id=base_transfer_id
+        )
 
-    def put_bucket(self, transfer_id: str, index: int, data: bytes, sha256: str) -> None:
-        """Keeps one pushed bucket; the last one of a transfer starts its switch."""
-        if self._versions.put_bucket(transfer_id, index, data, sha256):
+    def put_bucket(
+        self, transfer_id: str, index: int, data: bytes, sha256: str, *, delta: bool = False
+    ) -> None:
+        """Keeps one pushed bucket (`delta`: a delta of its base's); the last one of a transfer
+        starts its switch."""
+        if self._versions.put_bucket(transfer_id, index, data, sha256, delta=delta):
             self._spawn(self._switch(self._versions.transfer(transfer_id)))
 
     # -- the switch -----------------------------------------------------------------------

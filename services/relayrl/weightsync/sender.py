@@ -6,6 +6,12 @@ never waits for it). Every rank exports the same full tensors (TP-gathered) and 
 `publish`; the service gives all of them one plan, and each rank pushes only its share of the
 buckets (bucket i from rank i % world_size), packing the next bucket while the current one is
 on the wire.
+
+With `delta`, a rank keeps the bytes of the buckets it pushed last and sends each bucket as a
+delta of them when the service accepted that version as the base (it must still be the
+committed one, with the same plan) and the delta is smaller (relayrl.transfer.delta). Anything
+else (the first publish, `supersede`, a failed or superseded version, another plan) sends the
+bucket in full. The kept bytes are this rank's share of the model.
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ _QUANT = {
 
 class PublishError(RuntimeError):
     """A version could not be published or committed; the message names the boundary."""
+
+
+@dataclass
+class _DeltaBase:
+    """This rank's buckets of the last version it pushed, by index."""
+
+    transfer_id: str
+    plan_digest: str
+    buckets: dict[int, bytes]
 
 
 @dataclass
@@ -106,9 +121,11 @@ class WeightSyncSender:
         timeout_s: float = 600.0,
         chunk_bytes: int = 4 * 1024 * 1024,
         identity: ClientIdentity | None = None,
+        delta: bool = False,
     ) -> None:
         """`identity`: the trainer's TLS and token towards weight-sync (none: plaintext,
-        anonymous)."""
+        anonymous); `delta`: send buckets as deltas of the last version where the service
+        allows it."""
         from relayrl.core.grpc_client import ClientIdentity, channel_options, sync_channel
         from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 
@@ -119,6 +136,8 @@ class WeightSyncSender:
         self._quantize_embeddings = quantize_embeddings
         self._timeout_s = timeout_s
         self._chunk_bytes = chunk_bytes
+        self._delta = delta
+        self._base: _DeltaBase | None = None
         self._channel = sync_channel(
             target,
             identity or ClientIdentity(),
@@ -145,6 +164,8 @@ class WeightSyncSender:
             tensors, self._quantization, quantize_embeddings=self._quantize_embeddings
         )
         export_s = time.perf_counter() - clock
+        base, self._base = self._base, None  # kept again only once this push went through
+        offered = base.transfer_id if base is not None and not supersede else ""
         try:
             plan = self._stub.Publish(
                 pb.PublishRequest(
@@ -153,21 +174,26 @@ class WeightSyncSender:
                     tensors=metas,
                     transport=pb.TRANSPORT_TYPE_GRPC,
                     supersede=supersede,
+                    base_transfer_id=offered,
                 ),
                 timeout=self._timeout_s,
             ).plan
         except grpc.RpcError as exc:
             raise PublishError(f"export: Publish of version {version}: {exc.details()}") from None
         layouts = layouts_from_plan(plan)
+        digest = plan_digest(layouts)
+        accepted = offered and plan.delta_base_transfer_id == offered
+        usable = base if accepted and base is not None and base.plan_digest == digest else None
         result = SendResult(
             plan.transfer_id, version, bytes_total=sum(b.size_bytes for b in layouts)
         )
         result.seconds["export"] = export_s
         mine = [b.index for b in layouts if b.index % self._world_size == self._rank]
+        pushed: dict[int, bytes] = {}
         clock = time.perf_counter()
         try:
             response = self._stub.PushBuckets(
-                self._chunks(plan.transfer_id, layouts, wire, mine, result),
+                self._chunks(plan.transfer_id, layouts, wire, mine, usable, pushed),
                 timeout=self._timeout_s,
             )
         except grpc.RpcError as exc:
@@ -176,11 +202,24 @@ class WeightSyncSender:
             ) from None
         result.seconds["push"] = time.perf_counter() - clock
         result.num_buckets_sent, result.bytes_sent = response.num_buckets, response.num_bytes
+        if self._delta:
+            self._base = _DeltaBase(plan.transfer_id, digest, pushed)
         return result
 
-    def _chunks(self, transfer_id, layouts, wire, mine, result) -> Iterator:
-        """This rank's buckets as chunks; the next bucket is packed while one is sent."""
+    def _chunks(
+        self,
+        transfer_id: str,
+        layouts: list,
+        wire: dict[str, torch.Tensor],
+        mine: list[int],
+        base: _DeltaBase | None,
+        pushed: dict[int, bytes],
+    ) -> Iterator:
+        """This rank's buckets as chunks (each a delta of `base`'s where that is smaller); the
+        next bucket is packed while one is sent. Keeps each bucket's bytes in `pushed` when
+        deltas are on."""
         from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+        from relayrl.transfer import delta
 
         own = [layouts[i] for i in mine]
         size = max((b.size_bytes for b in own), default=1)
@@ -189,6 +228,12 @@ class WeightSyncSender:
                 index = own[position].index
                 data = view.numpy().tobytes()
                 packer.release(position)
+                if self._delta:
+                    pushed[index] = data
+                previous = base.buckets.get(index) if base is not None else None
+                encoded = delta.encode(previous, data) if previous is not None else None
+                if encoded is not None:
+                    data = encoded
                 for offset in range(0, max(len(data), 1), self._chunk_bytes):
                     last = offset + self._chunk_bytes >= len(data)
                     yield pb.BucketChunk(
@@ -198,6 +243,7 @@ class WeightSyncSender:
                         data=data[offset : offset + self._chunk_bytes],
                         last=last,
                         bucket_sha256=digest if last else "",
+                        delta=encoded is not None,
                     )
 
     def wait_committed(self, transfer_id: str, timeout_s: float | None = None) -> None:

@@ -71,7 +71,11 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             )
         try:
             transfer = self._c.publish(
-                request.version, request.trainer_step, request.tensors, supersede=request.supersede
+                request.version,
+                request.trainer_step,
+                request.tensors,
+                supersede=request.supersede,
+                base_transfer_id=request.base_transfer_id,
             )
         except PlanMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -103,11 +107,16 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
     async def PushBuckets(
         self, request_iterator: AsyncIterator[pb.BucketChunk], context: grpc.aio.ServicerContext
     ) -> pb.PushBucketsResponse:
-        num_buckets = num_bytes = 0
+        num_buckets = num_bytes = 0  # bytes as they came: a delta counts its own size
         parts: list[bytes] = []
-        current: tuple[str, int] | None = None
+        current: tuple[str, int, bool] | None = None
         async for chunk in request_iterator:
-            key = (chunk.transfer_id, chunk.bucket_index)
+            key = (chunk.transfer_id, chunk.bucket_index, chunk.delta)
+            if current is not None and key[:2] == current[:2] and key != current:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"bucket {current[1]}: set delta on every chunk of a delta bucket",
+                )
             if current is not None and key != current:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -126,7 +135,13 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             data = b"".join(parts)
             parts, current = [], None
             try:
-                self._c.put_bucket(chunk.transfer_id, chunk.bucket_index, data, chunk.bucket_sha256)
+                self._c.put_bucket(
+                    chunk.transfer_id,
+                    chunk.bucket_index,
+                    data,
+                    chunk.bucket_sha256,
+                    delta=chunk.delta,
+                )
             except KeyError as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
             except PlanMismatch as exc:

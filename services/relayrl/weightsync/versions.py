@@ -22,6 +22,8 @@ from typing import Any
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+from relayrl.transfer.delta import DeltaError
+from relayrl.transfer.delta import apply as apply_delta
 from relayrl.transfer.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
 from relayrl.transfer.request import INITIAL_WEIGHTS
 from relayrl.weightsync.config import WeightSyncConfig
@@ -90,6 +92,10 @@ class Transfer:
     durations_s: dict[str, float] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The committed transfer whose buckets this one's delta buckets apply to, and those
+    # buckets (held here: committing another version frees the base's own list).
+    delta_base_id: str = ""
+    delta_base: list[bytes | None] | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -116,6 +122,7 @@ class Transfer:
             replica_ids=self.replica_ids,
             state=self.state,
             error=self.error,
+            delta_base_transfer_id=self.delta_base_id,
         )
 
 
@@ -185,10 +192,15 @@ class Versions:
         metas: Sequence[common_pb2.TensorMeta],
         *,
         supersede: bool = False,
+        base_transfer_id: str = "",
     ) -> Transfer:
         """The plan of `version`: created by the first sender, the same for every other one
         (whose manifest must match exactly). Versions only go forward, unless `supersede`
-        (a trainer resumed from an older checkpoint) replaces a newer committed one."""
+        (a trainer resumed from an older checkpoint) replaces a newer committed one.
+
+        `base_transfer_id`: the version the first sender's delta buckets are made from. It is
+        accepted only while it is the committed one, with the same bucket plan and its buckets
+        in memory; the plan's `delta_base_transfer_id` tells the senders."""
         if version < self.committed_version and not supersede:
             raise ValueError(
                 f"version {version} is older than the committed version "
@@ -225,6 +237,15 @@ class Versions:
             buckets=[None] * len(layouts),
             sha256=[""] * len(layouts),
         )
+        base = self.committed
+        if (
+            base_transfer_id
+            and base is not None
+            and base.transfer_id == base_transfer_id
+            and base.plan_digest == transfer.plan_digest
+            and all(b is not None for b in base.buckets)
+        ):
+            transfer.delta_base_id, transfer.delta_base = base.transfer_id, base.buckets
         self.transfers[transfer.transfer_id] = transfer
         self.by_version[version] = transfer
         self._spawn(self._expire(transfer))
@@ -246,8 +267,11 @@ class Versions:
         except KeyError:
             raise KeyError(f"unknown transfer {transfer_id!r}") from None
 
-    def put_bucket(self, transfer_id: str, index: int, data: bytes, sha256: str) -> bool:
-        """Keeps one bucket a sender pushed; whether it completed its transfer."""
+    def put_bucket(
+        self, transfer_id: str, index: int, data: bytes, sha256: str, *, delta: bool = False
+    ) -> bool:
+        """Keeps one bucket a sender pushed (`delta`: rebuilt from the transfer's delta base
+        first); whether it completed its transfer."""
         transfer = self.transfer(transfer_id)
         if transfer.state == pb.TRANSFER_STATE_FAILED:
             raise SyncError("transport", f"transfer {transfer_id} already failed: {transfer.error}")
@@ -256,6 +280,9 @@ class Versions:
                 f"bucket {index} is not in the plan of {transfer_id} "
                 f"({len(transfer.layouts)} buckets)"
             )
+        wire_bytes = len(data)
+        if delta:
+            data = self._rebuilt(transfer, index, data)
         expected = transfer.layouts[index].size_bytes
         if len(data) != expected:
             raise PlanMismatch(
@@ -269,7 +296,7 @@ class Versions:
             )
         transfer.buckets[index] = data
         transfer.sha256[index] = actual
-        self._metrics.bytes.labels("grpc").inc(len(data))
+        self._metrics.bytes.labels("grpc").inc(wire_bytes)
         if transfer.state == pb.TRANSFER_STATE_PLANNED:
             transfer.state = pb.TRANSFER_STATE_TRANSFERRING
         if all(b is not None for b in transfer.buckets) and not transfer.complete.is_set():
@@ -277,6 +304,25 @@ class Versions:
             self.observe(transfer, "transport", time.monotonic() - transfer.created)
             return True
         return False
+
+    @staticmethod
+    def _rebuilt(transfer: Transfer, index: int, delta: bytes) -> bytes:
+        """The full bucket a delta bucket makes of the transfer's delta base."""
+        if transfer.delta_base is None:
+            raise PlanMismatch(
+                f"bucket {index} of {transfer.transfer_id} is a delta, but the plan accepted no "
+                "delta base; push it in full"
+            )
+        base = transfer.delta_base[index]
+        assert base is not None  # held since publish
+        try:
+            return apply_delta(base, delta)
+        except DeltaError as exc:
+            raise SyncError(
+                "transport",
+                f"bucket {index} of {transfer.transfer_id}: a delta that does not fit its base "
+                f"{transfer.delta_base_id}: {exc}",
+            ) from None
 
     async def _expire(self, transfer: Transfer) -> None:
         try:
@@ -324,6 +370,7 @@ class Versions:
     def fail(self, transfer: Transfer, error: SyncError) -> None:
         transfer.state, transfer.error = pb.TRANSFER_STATE_FAILED, str(error)
         transfer.buckets = [None] * len(transfer.layouts)  # free the host memory
+        transfer.delta_base = None
         self._metrics.failures.labels(error.boundary).inc()
         self._metrics.transfers.labels("failed").inc()
         transfer.done.set()
@@ -354,6 +401,7 @@ class Versions:
             self.observe(transfer, "restore", time.monotonic() - start)
         previous = self.committed
         transfer.state = pb.TRANSFER_STATE_COMMITTED
+        transfer.delta_base = None
         self.committed = transfer
         if previous is not None and previous is not transfer:
             previous.buckets = [None] * len(previous.layouts)  # only the latest stays in memory

@@ -115,6 +115,48 @@ def test_a_version_reaches_the_engine_bit_for_bit_and_generates_like_transformer
     sender.close()
 
 
+def test_delta_versions_reach_the_engine_bit_for_bit_in_a_fraction_of_the_bytes(
+    engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    def exported_digest(weights: dict[str, torch.Tensor], name: str) -> str:
+        """The engine's checksum after loading the full bf16 export from a file."""
+        wire, _ = export_tensors(weights.items(), "none")
+        save_file(wire, tmp_path / f"{name}.safetensors")
+        load_file_into(engine, tmp_path / f"{name}.safetensors")
+        return engine_digest(engine)
+
+    def publish(sender: WeightSyncSender, version: int, weights: dict[str, torch.Tensor]):
+        result = sender.publish(version, version, weights.items())
+        sender.wait_committed(result.transfer_id, 180)
+        return result, engine_digest(engine)
+
+    generator = torch.Generator().manual_seed(7)
+    first = perturbed(model_dir, 0.5, seed=1)
+    # a step at an RL learning rate: about 1 % of the weights move by a bf16 unit or more
+    sparse = {
+        name: t + (torch.rand(t.shape, generator=generator) < 0.01) * 0.05 * t.abs().max()
+        for name, t in first.items()
+    }
+    sender = WeightSyncSender(weightsync.target, timeout_s=120, delta=True)
+    full, _ = publish(sender, 1, first)
+    assert full.bytes_sent == full.bytes_total  # nothing to make a delta of yet
+    small, synced = publish(sender, 2, sparse)
+    assert 0 < small.bytes_sent < 0.2 * small.bytes_total, (small.bytes_sent, small.bytes_total)
+    assert synced == exported_digest(sparse, "sparse")
+    # a dense change: every bucket's delta would be larger, so each goes in full
+    dense, synced = publish(sender, 3, perturbed(model_dir, 0.5, seed=3))
+    assert dense.bytes_sent == dense.bytes_total
+    assert synced == exported_digest(perturbed(model_dir, 0.5, seed=3), "dense")
+    sender.close()
+    # a restarted trainer has no base: its first version goes in full, the next as deltas
+    restarted = WeightSyncSender(weightsync.target, timeout_s=120, delta=True)
+    again, _ = publish(restarted, 4, sparse)
+    assert again.bytes_sent == again.bytes_total
+    back, synced = publish(restarted, 5, first)
+    assert back.bytes_sent < 0.2 * back.bytes_total and synced == exported_digest(first, "first")
+    restarted.close()
+
+
 def test_fp8_is_within_the_e4m3_bound_and_generates_close_to_bf16(
     engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path
 ) -> None:

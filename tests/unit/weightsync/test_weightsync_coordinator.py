@@ -24,6 +24,7 @@ from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator, SyncError
 from relayrl.weightsync.metrics import WeightSyncMetrics
 from relayrl.weightsync.state import CommittedStore, StateError
+from relayrl.weightsync.versions import PlanMismatch
 
 METAS = [common_pb2.TensorMeta(name="w", shape=[64], dtype=common_pb2.DTYPE_BFLOAT16)]
 DATA = bytes(range(128))
@@ -489,6 +490,49 @@ def test_versions_go_forward_unless_a_resumed_trainer_supersedes(
 
     c = asyncio.run(main())
     assert c.committed_version == 2 and c.engines["engine-0"].version == 2
+
+
+def test_a_delta_bucket_is_rebuilt_from_the_committed_version_it_was_made_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from relayrl.transfer import delta
+
+    engine = Engine("http://a")
+    no_send(monkeypatch)
+    new = bytes([DATA[0] ^ 1]) + DATA[1:]  # one weight changed
+    patch = delta.encode(DATA, new)
+    assert patch is not None and len(patch) < len(DATA)
+
+    def sha(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    async def main() -> tuple[Any, ...]:
+        c = coordinator({"engine-0": engine})
+        try:
+            base = await publish_and_wait(c, 1)
+            # a base that is not the committed version is refused: every bucket in full
+            stale = c.publish(2, 2, METAS, base_transfer_id="v0-gone")
+            assert stale.plan_proto(4096, "grpc").delta_base_transfer_id == ""
+            with pytest.raises(PlanMismatch, match="accepted no delta base; push it in full"):
+                c.put_bucket(stale.transfer_id, 0, patch, sha(new), delta=True)
+            c._versions.fail(stale, SyncError("transport", "given up by the test"))
+            second = c.publish(3, 3, METAS, base_transfer_id=base.transfer_id)
+            assert c.plan_proto(second).delta_base_transfer_id == base.transfer_id
+            # a delta that does not rebuild what the sender exported is caught by its sha256
+            with pytest.raises(SyncError, match="checksum mismatch"):
+                c.put_bucket(second.transfer_id, 0, patch, sha(DATA), delta=True)
+            with pytest.raises(SyncError, match="does not fit its base"):
+                c.put_bucket(second.transfer_id, 0, patch[:-1], sha(new), delta=True)
+            third = c.publish(4, 4, METAS, base_transfer_id=base.transfer_id)
+            c.put_bucket(third.transfer_id, 0, patch, sha(new), delta=True)
+            await asyncio.wait_for(third.done.wait(), 10)
+            return base, third, c
+        finally:
+            await c.close()
+
+    base, third, c = asyncio.run(main())
+    assert c.committed_version == 4 and third.buckets == [new] and third.sha256 == [sha(new)]
+    assert third.delta_base is None and base.buckets == [None]  # nothing kept past the commit
 
 
 def test_a_sync_error_names_its_boundary() -> None:
