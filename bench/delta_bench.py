@@ -39,7 +39,7 @@ def train_steps(model_dir: Path, lr: float, steps: int, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
