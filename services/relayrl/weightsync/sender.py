@@ -165,7 +165,8 @@ class WeightSyncSender:
         )
         export_s = time.perf_counter() - clock
         base, self._base = self._base, None  # kept again only once this push went through
-        offered = base.transfer_id if base is not None and not supersede else ""
+        if supersede:
+            base = None
         try:
             plan = self._stub.Publish(
                 pb.PublishRequest(
@@ -174,7 +175,7 @@ class WeightSyncSender:
                     tensors=metas,
                     transport=pb.TRANSPORT_TYPE_GRPC,
                     supersede=supersede,
-                    base_transfer_id=offered,
+                    base_transfer_id=base.transfer_id if base is not None else "",
                 ),
                 timeout=self._timeout_s,
             ).plan
@@ -182,8 +183,10 @@ class WeightSyncSender:
             raise PublishError(f"export: Publish of version {version}: {exc.details()}") from None
         layouts = layouts_from_plan(plan)
         digest = plan_digest(layouts)
-        accepted = offered and plan.delta_base_transfer_id == offered
-        usable = base if accepted and base is not None and base.plan_digest == digest else None
+        if base is not None and (
+            plan.delta_base_transfer_id != base.transfer_id or base.plan_digest != digest
+        ):
+            base = None  # refused (no longer the committed version, another plan): all in full
         result = SendResult(
             plan.transfer_id, version, bytes_total=sum(b.size_bytes for b in layouts)
         )
@@ -193,7 +196,7 @@ class WeightSyncSender:
         clock = time.perf_counter()
         try:
             response = self._stub.PushBuckets(
-                self._chunks(plan.transfer_id, layouts, wire, mine, usable, pushed),
+                self._chunks(plan.transfer_id, layouts, wire, mine, base, pushed),
                 timeout=self._timeout_s,
             )
         except grpc.RpcError as exc:
