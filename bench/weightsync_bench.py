@@ -5,10 +5,13 @@ same bytes written to each of the 2 receivers, the most any broadcast over TCP c
 one run.
 
     grpc               senders export, pack (double-buffered) and push their share of the
-                       buckets to a real relayrl-weightsync process; once the version is
-                       complete both receivers pull it and cut it back into tensors
-                       (receive_tensors, the engine-side code) at the same time. Clock: from
-                       the first export to the last tensor at the last receiver.
+                       buckets to a real relayrl-weightsync process; both receivers pull the
+                       buckets and cut them back into tensors (receive_tensors, the
+                       engine-side code) at the same time, cut through: from the moment the
+                       version is planned, each bucket as soon as the service has it. Clock:
+                       from the first export to the last tensor at the last receiver.
+    grpc store+fwd     the same, but the receivers start once the version is committed (as
+                       with data_plane.cut_through false)
     torch_distributed  raw buckets broadcast over a gloo group (transports.measure)
     mooncake           raw buckets written by the Mooncake transfer engine over TCP, measured
                        inside a private network namespace (it listens on every interface)
@@ -122,12 +125,15 @@ def _grpc_receiver(target: str, inbox: Any, out: Any) -> None:
               "extra_bytes": window.peak_extra_bytes()})  # fmt: skip
 
 
-def bench_grpc(gib: float, num_senders: int, bucket_bytes: int, work: Path) -> dict[str, Any]:
+def bench_grpc(
+    gib: float, num_senders: int, bucket_bytes: int, work: Path, *, cut_through: bool = True
+) -> dict[str, Any]:
     import grpc
 
     from relayrl.core.service_process import ServiceProcess
     from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
+    from relayrl.transfer.plan import layouts_from_plan, plan_digest
 
     ctx = multiprocessing.get_context("spawn")
     config = {
@@ -135,8 +141,10 @@ def bench_grpc(gib: float, num_senders: int, bucket_bytes: int, work: Path) -> d
         "chunk_size_bytes": 4 << 20,
         "grpc": {"max_message_bytes": 64 << 20},
         "transfer_timeout_s": 600,
+        "data_plane": {"cut_through": cut_through},
     }
-    with ServiceProcess("relayrl-weightsync", config, work / f"ws-{num_senders}") as service:
+    name = f"ws-{num_senders}-{'cut' if cut_through else 'saf'}"
+    with ServiceProcess("relayrl-weightsync", config, work / name) as service:
         receivers = []
         for _ in range(2):
             inbox, inbox_child = ctx.Pipe()
@@ -156,16 +164,27 @@ def bench_grpc(gib: float, num_senders: int, bucket_bytes: int, work: Path) -> d
             procs.append(p)
         go.wait()
         start = time.perf_counter()
-        sent = [pipe.recv() for pipe in pipes]
-        for p in procs:
-            p.join()
+        sent: list[dict[str, Any]] = []
         with grpc.insecure_channel(service.target) as channel:
             stub = weightsync_pb2_grpc.WeightSyncStub(channel)
-            while stub.GetVersion(pb.GetVersionRequest(), timeout=10).committed.version != 1:
-                time.sleep(0.01)
-            digest = stub.GetVersion(pb.GetVersionRequest(), timeout=10).committed.checksum
+            # Cut through, the receivers start as soon as the version is planned (the switch
+            # starts the engines' pull at its first bucket); store and forward, once the
+            # version is committed.
+            transfer_id = digest = ""
+            while not transfer_id:
+                reply = stub.GetVersion(pb.GetVersionRequest(), timeout=10)
+                if cut_through and reply.in_progress.transfer_id:
+                    plan = reply.in_progress
+                    transfer_id, digest = plan.transfer_id, plan_digest(layouts_from_plan(plan))
+                elif reply.committed.version == 1:
+                    sent = [pipe.recv() for pipe in pipes]
+                    transfer_id, digest = sent[0]["transfer_id"], reply.committed.checksum
+                else:
+                    time.sleep(0.005)
         for inbox, _, _ in receivers:
-            inbox.send((sent[0]["transfer_id"], digest))
+            inbox.send((transfer_id, digest))
+        if len(sent) < num_senders:
+            sent = [pipe.recv() for pipe in pipes]
         received = [parent.recv() for _, parent, _ in receivers]
         for _, _, p in receivers:
             p.join()
@@ -281,6 +300,9 @@ def main() -> int:
     runs = tcp_baselines(total, bucket, args.tcp_repeats)
     rows: list[tuple[str, int, Any]] = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
+        rows.append(
+            ("grpc store+fwd", 1, bench_grpc(args.gib, 1, bucket, Path(tmp), cut_through=False))
+        )
         for senders in (1, 2):
             rows.append(("grpc", senders, bench_grpc(args.gib, senders, bucket, Path(tmp))))
             try:
@@ -314,8 +336,12 @@ def main() -> int:
         )
         cells = "".join(f"{'-':>9}" if v is None else f"{v:>9.2f}" for v in values)
         print(f"{name:<18}{senders:>8}{cells}  {r['detail']}".rstrip())
-        if r["gbps"] > best[1]:
+        if r["gbps"] > best[1] and name != "grpc store+fwd":
             best = (name, r["gbps"])
+    grpc_best = max(r["gbps"] for name, _, r in rows if name == "grpc" and isinstance(r, dict))
+    saf = next(r["gbps"] for name, _, r in rows if name == "grpc store+fwd")
+    print(f"grpc data plane, cut-through: ratio={grpc_best / limit:.2f} (target 0.5; store and "
+          f"forward {saf / limit:.2f})")  # fmt: skip
     fp8, fp8_all = fp8_ratios(args.gib)
     print(f"fp8 bytes / bf16 bytes: {fp8:.3f} (embeddings in bf16, the default), "
           f"{fp8_all:.3f} (quantize_embeddings)")  # fmt: skip

@@ -59,6 +59,14 @@ class DataPlaneSettings(StrictModel):
         "replica (gloo on CPU, nccl with device cuda). mooncake: the Mooncake transfer engine "
         "writes each bucket into every worker's registered buffers (TCP, or RDMA).",
     )
+    cut_through: bool = Field(
+        True,
+        description="grpc only: the switch starts when a version's first bucket arrives and "
+        "workers pull each bucket as soon as it is here, so the push and the pull overlap (a "
+        "version reaches the engines sooner, but their pause also covers the rest of the "
+        "push); false: the switch starts once the whole version is here. The broadcast data "
+        "planes always send a complete version.",
+    )
     host: str | None = Field(
         None,
         description="Address at which engine workers reach this service's rendezvous store "

@@ -8,7 +8,8 @@ each means: docs/recovery.md), each with its own metric and error:
                memory
     switch     the gateway pauses the replicas (abort | keep | wait)
     load       the buckets go to every worker of every live replica over the configured data
-               plane -- each worker pulls them over gRPC, or this service broadcasts them
+               plane -- each worker pulls them over gRPC (cut through: each bucket as soon as
+               it is here, while the senders still push the rest), or this service broadcasts them
                (torch_distributed) or writes them (mooncake) to all workers at once -- and the
                worker extension checks each bucket's sha256 and loads the tensors through
                vLLM's load path
@@ -208,10 +209,23 @@ class Coordinator:
     def put_bucket(
         self, transfer_id: str, index: int, data: bytes, sha256: str, *, delta: bool = False
     ) -> None:
-        """Keeps one pushed bucket (`delta`: a delta of its base's); the last one of a transfer
-        starts its switch."""
-        if self._versions.put_bucket(transfer_id, index, data, sha256, delta=delta):
-            self._spawn(self._switch(self._versions.transfer(transfer_id)))
+        """Keeps one pushed bucket (`delta`: a delta of its base's). The last one of a transfer
+        starts its switch -- or, cut through, the first one: the workers then pull each bucket
+        as it arrives."""
+        transfer = self._versions.transfer(transfer_id)
+        first = transfer.state == pb.TRANSFER_STATE_PLANNED
+        completed = self._versions.put_bucket(transfer_id, index, data, sha256, delta=delta)
+        if first if self._cut_through else completed:
+            self._spawn(self._switch(transfer))
+
+    async def bucket(self, transfer: Transfer, index: int) -> bytes:
+        """Bucket `index` of `transfer` as soon as it is here (see `Versions.bucket`)."""
+        return await self._versions.bucket(transfer, index)
+
+    @property
+    def _cut_through(self) -> bool:
+        plane = self._config.data_plane
+        return plane.cut_through and not DATA_PLANES[plane.transport].broadcast
 
     # -- the switch -----------------------------------------------------------------------
 
@@ -230,8 +244,9 @@ class Coordinator:
             try:
                 loaded = await self._load_and_commit(transfer, live, paused)
             except Exception as exc:
-                error = exc if isinstance(exc, SyncError) else SyncError("load", repr(exc))
-                self._versions.fail(transfer, error)
+                if not transfer.failed:  # else it failed on its own (its push), and said why
+                    error = exc if isinstance(exc, SyncError) else SyncError("load", repr(exc))
+                    self._versions.fail(transfer, error)
                 await self._after_failed_switch(live)
                 return
             finally:
@@ -249,6 +264,7 @@ class Coordinator:
         outcomes = await self._loader.load(
             live, transfer, restore=self._routing.drives_engines, pause_engine=unpaused
         )
+        await self._versions.arrived(transfer)  # cut through, the push may still run
         loaded = [e.replica_id for e in live if outcomes[e.replica_id] == LOADED]
         refused = [e.replica_id for e in live if outcomes[e.replica_id] == REFUSED]
         transfer.replica_ids = loaded

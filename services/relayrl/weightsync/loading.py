@@ -237,6 +237,8 @@ class PullLoader(Loader):
                     return LOADED
                 except Exception as exc:
                     self._attempt_failed(entry, transfer, attempt, exc)
+                if transfer.failed:  # its push failed while the replica pulled: no retry
+                    return REFUSED
             return await self._give_up(entry)
         finally:
             await client.close()

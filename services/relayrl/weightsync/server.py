@@ -13,11 +13,10 @@ from prometheus_client import CollectorRegistry
 from relayrl.core.access import WEIGHTSYNC_ACCESS
 from relayrl.core.config import load_client_token
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
-from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator
 from relayrl.weightsync.metrics import WeightSyncMetrics
-from relayrl.weightsync.servicer import WeightSyncServicer
+from relayrl.weightsync.servicer import WeightSyncServicer, add_to_server
 from relayrl.weightsync.state import StateError
 
 logger = logging.getLogger(__name__)
@@ -131,11 +130,7 @@ async def run(config: WeightSyncConfig, ready_file: Path | None = None) -> None:
     service = build_service(
         config,
         service_name="weightsync",
-        register=[
-            lambda server: weightsync_pb2_grpc.add_WeightSyncServicer_to_server(
-                app.servicer, server
-            )
-        ],
+        register=[lambda server: add_to_server(app.servicer, server)],
         service_names=[SERVICE_FULL_NAME],
         registry=registry,
         access=[WEIGHTSYNC_ACCESS],

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
-from relayrl.weightsync.coordinator import Coordinator, PlanMismatch, SyncError
+from relayrl.weightsync.coordinator import Coordinator, PlanMismatch, SyncError, Transfer
 
 MAX_FINAL_WAIT_S = 600.0
 """Longest a GetBucketPlan may hold for the transfer's outcome."""
@@ -32,10 +34,47 @@ def _version(coordinator: Coordinator) -> common_pb2.WeightVersion:
     )
 
 
+class SharedChunks:
+    """The serialised chunk messages of the buckets pulled last: receivers that pull the same
+    version at once (cut-through pulls move in step) share one copy of each chunk, so the
+    service copies a chunk once however many receivers there are. At most `keep` buckets are
+    kept; a puller far behind the others builds its own."""
+
+    def __init__(self, chunk_bytes: int, keep: int = 2) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._keep = keep
+        self._cache: OrderedDict[tuple[str, int], list[bytes]] = OrderedDict()
+
+    def of(self, transfer: Transfer, index: int, data: bytes) -> list[bytes]:
+        key = (transfer.transfer_id, index)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return cached
+        view = memoryview(data)
+        chunks = []
+        for offset in range(0, max(len(data), 1), self._chunk_bytes):
+            last = offset + self._chunk_bytes >= len(data)
+            chunks.append(
+                pb.BucketChunk(
+                    transfer_id=transfer.transfer_id,
+                    bucket_index=index,
+                    offset_bytes=offset,
+                    data=bytes(view[offset : offset + self._chunk_bytes]),
+                    last=last,
+                    bucket_sha256=transfer.sha256[index] if last else "",
+                ).SerializeToString()
+            )
+        self._cache[key] = chunks
+        while len(self._cache) > self._keep:
+            self._cache.popitem(last=False)
+        return chunks
+
+
 class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
     def __init__(self, coordinator: Coordinator, *, chunk_bytes: int) -> None:
         self._c = coordinator
-        self._chunk_bytes = chunk_bytes
+        self._chunks = SharedChunks(chunk_bytes)
 
     async def RegisterSender(
         self, request: pb.RegisterSenderRequest, context: grpc.aio.ServicerContext
@@ -159,7 +198,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
 
     async def PullBuckets(
         self, request: pb.PullBucketsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.BucketChunk]:
+    ) -> AsyncIterator[bytes]:
+        """The buckets in plan order, each as soon as a sender has pushed it (cut-through), as
+        serialised BucketChunk messages shared by every puller of the same bucket."""
         if request.transfer_id:
             try:
                 transfer = self._c.transfer(request.transfer_id)
@@ -169,25 +210,16 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             transfer = self._c.committed
         else:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no version is committed yet")
-        if not transfer.complete.is_set() or any(b is None for b in transfer.buckets):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"transfer {transfer.transfer_id} holds no complete set of buckets "
-                f"({transfer.error or 'still arriving'})",
-            )
-        for index, data in enumerate(list(transfer.buckets)):
-            assert data is not None
-            view = memoryview(data)
-            for offset in range(0, max(len(data), 1), self._chunk_bytes):
-                last = offset + self._chunk_bytes >= len(data)
-                yield pb.BucketChunk(
-                    transfer_id=transfer.transfer_id,
-                    bucket_index=index,
-                    offset_bytes=offset,
-                    data=bytes(view[offset : offset + self._chunk_bytes]),
-                    last=last,
-                    bucket_sha256=transfer.sha256[index] if last else "",
+        for index in range(len(transfer.layouts)):
+            try:
+                data = await self._c.bucket(transfer, index)
+            except SyncError as exc:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"transfer {transfer.transfer_id} holds no complete set of buckets: {exc}",
                 )
+            for message in self._chunks.of(transfer, index, data):
+                yield message
 
     async def AckVersion(
         self, request: pb.AckVersionRequest, context: grpc.aio.ServicerContext
@@ -223,3 +255,34 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                 for e in self._c.engines.values()
             ],
         )
+
+
+def _serialized(message: Any) -> bytes:
+    """A response as it goes on the wire: PullBuckets yields chunks serialised already."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_to_server(servicer: WeightSyncServicer, server: grpc.aio.Server) -> None:
+    """Registers `servicer` as the generated code would, except that PullBuckets' chunks go out
+    as the bytes `SharedChunks` serialised once."""
+    service = pb.DESCRIPTOR.services_by_name["WeightSync"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = kinds[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=request_type.FromString,
+            response_serializer=(
+                _serialized if method.name == "PullBuckets" else response_type.SerializeToString
+            ),
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )

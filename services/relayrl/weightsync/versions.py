@@ -92,6 +92,9 @@ class Transfer:
     durations_s: dict[str, float] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set, and replaced by a fresh one, whenever a bucket arrives or the transfer fails: what
+    # a cut-through puller waits on (`Versions.bucket`).
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
     # The committed transfer whose buckets this one's delta buckets apply to, and those
     # buckets (held here: committing another version frees the base's own list).
     delta_base_id: str = ""
@@ -100,6 +103,15 @@ class Transfer:
     @property
     def num_bytes(self) -> int:
         return sum(b.size_bytes for b in self.layouts)
+
+    @property
+    def failed(self) -> bool:
+        return self.state == pb.TRANSFER_STATE_FAILED
+
+    def notify(self) -> None:
+        """Wakes everyone waiting on `changed`."""
+        event, self.changed = self.changed, asyncio.Event()
+        event.set()
 
     def plan_proto(self, bucket_size_bytes: int, transport: str) -> pb.BucketPlan:
         """The plan as senders and receivers see it; `transport` is the data plane from this
@@ -299,11 +311,43 @@ class Versions:
         self._metrics.bytes.labels("grpc").inc(wire_bytes)
         if transfer.state == pb.TRANSFER_STATE_PLANNED:
             transfer.state = pb.TRANSFER_STATE_TRANSFERRING
+        completed = False
         if all(b is not None for b in transfer.buckets) and not transfer.complete.is_set():
             transfer.complete.set()
             self.observe(transfer, "transport", time.monotonic() - transfer.created)
-            return True
-        return False
+            completed = True
+        transfer.notify()
+        return completed
+
+    async def bucket(self, transfer: Transfer, index: int) -> bytes:
+        """Bucket `index` of `transfer` as soon as a sender has pushed it (cut-through: a
+        puller need not wait for the whole version). SyncError when the transfer failed, or is
+        no longer in memory (a newer version was committed since); the wait ends with the
+        transfer's own deadline at the latest (`transfer_timeout_s` fails it)."""
+        while True:
+            if transfer.failed:
+                raise SyncError(
+                    "transport", f"transfer {transfer.transfer_id} failed: {transfer.error}"
+                )
+            data = transfer.buckets[index]
+            if data is not None:
+                return data
+            if transfer.complete.is_set():
+                raise SyncError(
+                    "transport",
+                    f"transfer {transfer.transfer_id} is no longer in memory (version "
+                    f"{self.committed_version} was committed since)",
+                )
+            await transfer.changed.wait()
+
+    async def arrived(self, transfer: Transfer) -> None:
+        """Until every bucket of `transfer` has arrived; SyncError when it failed instead."""
+        while not transfer.complete.is_set() and not transfer.failed:
+            await transfer.changed.wait()
+        if transfer.failed:
+            raise SyncError(
+                "transport", f"transfer {transfer.transfer_id} failed: {transfer.error}"
+            )
 
     @staticmethod
     def _rebuilt(transfer: Transfer, index: int, delta: bytes) -> bytes:
@@ -374,6 +418,7 @@ class Versions:
         self._metrics.failures.labels(error.boundary).inc()
         self._metrics.transfers.labels("failed").inc()
         transfer.done.set()
+        transfer.notify()
         self._log_transfer(transfer, "failed")
         logger.error("%s", error)
 

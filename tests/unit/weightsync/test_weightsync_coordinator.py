@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ class Engine:
         self.label = "default"
         self.receives: list[dict[str, Any]] = []
         self.calls: list[str] = []
+        # The worker's pull of a gRPC transfer: the bucket digests it loaded (None: it takes
+        # the request's, or DATA's).
+        self.pull: Callable[[dict[str, Any]], Awaitable[list[str]]] | None = None
 
     def client(self, url: str = "", timeout_s: float = 0.0) -> Client:
         return Client(self)
@@ -70,8 +74,11 @@ class Client:
             round_ = int(spec.transfer_id.rsplit("-", 1)[1])
             if round_ in self.engine.fail_receive_rounds:
                 raise TransportError("a peer aborted", transfer_id=spec.transfer_id)
+        if self.engine.pull is not None:
+            sha256 = await self.engine.pull(payload)
+        else:
+            sha256 = payload.get("bucket_sha256") or [hashlib.sha256(DATA).hexdigest()]
         self.engine.holds = payload["transfer_id"]
-        sha256 = payload.get("bucket_sha256") or [hashlib.sha256(DATA).hexdigest()]
         return [{"bucket_sha256": sha256}]
 
     async def health(self) -> bool:
@@ -144,6 +151,8 @@ def coordinator(
     state_dir: Path | None = None,
     static: bool = True,
     backoff_s: float = 0.0,
+    cut_through: bool = True,
+    transfer_timeout_s: float = 600.0,
 ) -> Coordinator:
     config = WeightSyncConfig.model_validate(
         {
@@ -153,8 +162,13 @@ def coordinator(
                 "attempts": 2,
                 "retry_backoff_s": backoff_s,
             },
-            "data_plane": {"transport": transport, "rendezvous_port": 29999},
+            "data_plane": {
+                "transport": transport,
+                "rendezvous_port": 29999,
+                "cut_through": cut_through,
+            },
             "state_dir": str(state_dir) if state_dir else None,
+            "transfer_timeout_s": transfer_timeout_s,
         }
     )
     by_url = {e.url: e for e in engines.values()}
@@ -533,6 +547,101 @@ def test_a_delta_bucket_is_rebuilt_from_the_committed_version_it_was_made_from(
     base, third, c = asyncio.run(main())
     assert c.committed_version == 4 and third.buckets == [new] and third.sha256 == [sha(new)]
     assert third.delta_base is None and base.buckets == [None]  # nothing kept past the commit
+
+
+THREE_BUCKETS = [common_pb2.TensorMeta(name="w", shape=[3 * 2048], dtype=common_pb2.DTYPE_BFLOAT16)]
+BUCKETS = [bytes([i]) * 4096 for i in range(3)]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def pulling_worker(c: Coordinator, engine: Engine, pulled: list[int]) -> None:
+    """The engine's worker pulls each bucket through the coordinator, as PullBuckets does."""
+
+    async def pull(payload: dict[str, Any]) -> list[str]:
+        transfer = c.transfer(payload["transfer_id"])
+        digests = []
+        for index in range(len(transfer.layouts)):
+            data = await c.bucket(transfer, index)
+            pulled.append(index)
+            digests.append(sha(data))
+        return digests
+
+    engine.pull = pull
+
+
+@pytest.mark.parametrize("cut_through", [True, False])
+def test_cut_through_a_replica_pulls_each_bucket_as_it_arrives(cut_through: bool) -> None:
+    engine = Engine("http://a")
+    pulled: list[int] = []
+
+    async def main() -> tuple[list[list[int]], Any, Coordinator]:
+        c = coordinator({"engine-0": engine}, transport="grpc", cut_through=cut_through)
+        pulling_worker(c, engine, pulled)
+        try:
+            transfer = c.publish(1, 1, THREE_BUCKETS)
+            assert len(transfer.layouts) == 3
+            seen = []
+            for index, data in enumerate(BUCKETS):
+                c.put_bucket(transfer.transfer_id, index, data, sha(data))
+                await asyncio.sleep(0.05)
+                seen.append(list(pulled))
+                if index < 2:
+                    assert not transfer.done.is_set()  # it commits after the last bucket
+            await asyncio.wait_for(transfer.done.wait(), 10)
+            return seen, transfer, c
+        finally:
+            await c.close()
+
+    seen, transfer, c = asyncio.run(main())
+    if cut_through:  # the switch started at the first bucket; each was pulled as it came
+        assert seen == [[0], [0, 1], [0, 1, 2]]
+    else:  # the switch started once the version was complete
+        assert seen == [[], [], [0, 1, 2]]
+    assert c.committed_version == 1 and engine.holds == transfer.transfer_id
+    assert engine.calls[:2] == ["pause:keep", "version:loading-1"] and engine.label == "1"
+
+
+def test_cut_through_a_push_that_dies_half_way_fails_the_version_without_retries() -> None:
+    engine = Engine("http://a")
+    pulled: list[int] = []
+
+    async def main() -> tuple[Any, ...]:
+        gateway = PoolGateway({"engine-0": engine})
+        await gateway.join()
+        c = coordinator(
+            {"engine-0": engine}, gateway, transport="grpc", static=False, transfer_timeout_s=0.5
+        )
+        try:
+            c.register_engine("engine-0", engine.url, 0)
+            await settle(c)
+            first = await publish_and_wait(c, 1)
+            pulling_worker(c, engine, pulled)
+            second = c.publish(2, 2, THREE_BUCKETS)
+            c.put_bucket(second.transfer_id, 0, BUCKETS[0], sha(BUCKETS[0]))  # then the sender dies
+            await asyncio.wait_for(second.done.wait(), 10)
+            for _ in range(200):  # the switch ends after the transfer failed
+                if gateway.state("engine-0") is not ReplicaState.PAUSED:
+                    break
+                await asyncio.sleep(0.01)
+            held = gateway.state("engine-0")
+            engine.pull = None
+            c.register_engine("engine-0", engine.url, 1, routed=False)
+            await settle(c)
+            return first, second, held, gateway.state("engine-0"), c
+        finally:
+            await c.close()
+
+    first, second, held, after, c = asyncio.run(main())
+    assert second.state == pb.TRANSFER_STATE_FAILED
+    assert second.error.startswith("transport: ") and "did not arrive within" in second.error
+    assert pulled == [0]  # its first bucket was loaded: the replica held a mix
+    assert [r["transfer_id"] for r in engine.receives].count(second.transfer_id) == 1  # no retry
+    assert c.committed_version == 1 and held is ReplicaState.LOADING
+    # the next registration reloads the committed version 1 into it
+    assert engine.holds == first.transfer_id and after is ReplicaState.SERVING
 
 
 def test_a_sync_error_names_its_boundary() -> None:
