@@ -58,7 +58,9 @@ def agents_alive(agent: Path = AGENT) -> list[str]:
     return found
 
 
-@pytest.mark.timeout(900)
+# 409-741 s in full-suite runs here (it builds the lookup warm start while other heavy units
+# run): the bound leaves room for a slow machine, not for a hang.
+@pytest.mark.timeout(1500)
 def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> None:
     # served: one SDK process takes every sample's task (its imports cost seconds)
     config = deep_update(SHORT_RUN, {"task": {"name": "lookup"}, "agent": {"serve": True}})
@@ -67,7 +69,7 @@ def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> Non
     agent = f"{SDK_PYTHON} {AGENT} --serve"
     up = UpProcess.start(runs_dir, config, "--mode", "sync", "--agent", agent)
     try:
-        assert up.wait(900) == 0, up.output()
+        assert up.wait(1400) == 0, up.output()
         run_dir, output = up.run_dir, up.output()
     finally:
         up.stop()

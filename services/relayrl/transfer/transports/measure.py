@@ -344,9 +344,14 @@ def _transport_role(
     )
 
     spec = TransportSpec.from_json(spec_json)
+    device = torch.device("cpu")
+    if spec.device == "cuda":  # one GPU per process, as NCCL requires
+        index = rank if role == "sender" else spec.num_senders + rank
+        torch.cuda.set_device(index % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     model = None
     if role == "sender":  # every sender holds the whole exported model
-        model = torch.empty(spec.total_bytes, dtype=torch.uint8).random_()
+        model = torch.empty(spec.total_bytes, dtype=torch.uint8, device=device).random_()
     # The backend's modules first: an engine imports them once, not once per transfer.
     importlib.import_module(TRANSPORTS[spec.type][role == "receiver"].partition(":")[0])
     window = PeakRssWindow()
@@ -384,10 +389,17 @@ def _transport_role(
 
 
 def measure_transport_gbps(
-    type: str, num_senders: int, num_receivers: int, total_bytes: int, bucket_bytes: int
+    type: str,
+    num_senders: int,
+    num_receivers: int,
+    total_bytes: int,
+    bucket_bytes: int,
+    *,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One transfer of `total_bytes` in buckets of `bucket_bytes` (the last one shorter) from
-    `num_senders` to `num_receivers` processes over transport `type`.
+    `num_senders` to `num_receivers` processes over transport `type` (`device` cuda: each
+    process on its own GPU, the buckets in GPU memory).
 
     Returns gbps (per receiver), aggregate_gbps (all receivers together), elapsed_s,
     num_buckets, peak_extra_bytes: the most a receiver's peak RSS rose above its RSS before the
@@ -412,6 +424,7 @@ def measure_transport_gbps(
         bucket_sizes=sizes,
         rendezvous=f"127.0.0.1:{free_port()}",
         timeout_s=120.0,
+        device=device,
     )
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(num_senders + num_receivers)
