@@ -197,6 +197,26 @@ async def settle(c: Coordinator) -> None:
     raise AssertionError("a reconciliation did not finish")
 
 
+async def registered_by_a_gateway(engine: Engine, **kwargs: Any) -> tuple[PoolGateway, Coordinator]:
+    """A gRPC-plane coordinator whose one replica, engine-0, a gateway registered and routes
+    to."""
+    gateway = PoolGateway({"engine-0": engine})
+    await gateway.join()
+    c = coordinator({"engine-0": engine}, gateway, transport="grpc", static=False, **kwargs)
+    c.register_engine("engine-0", engine.url, 0)
+    await settle(c)
+    return gateway, c
+
+
+async def registers_again(
+    c: Coordinator, gateway: PoolGateway, engine: Engine, version: int
+) -> ReplicaState:
+    """The gateway's next registration of engine-0 (not routed to), once reconciled."""
+    c.register_engine("engine-0", engine.url, version, routed=False)
+    await settle(c)
+    return gateway.state("engine-0")
+
+
 def no_send(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Coordinator, "_send_buckets", lambda self, spec, transfer: None)
 
@@ -422,22 +442,14 @@ def test_a_version_that_cannot_be_kept_fails_and_its_replicas_are_held_until_rel
     monkeypatch.setattr(CommittedStore, "save", save)
 
     async def main() -> tuple[Any, ...]:
-        gateway = PoolGateway({"engine-0": engine})
-        await gateway.join()
-        c = coordinator(
-            {"engine-0": engine}, gateway, transport="grpc", static=False, state_dir=tmp_path
-        )
+        gateway, c = await registered_by_a_gateway(engine, state_dir=tmp_path)
         try:
-            c.register_engine("engine-0", engine.url, 0)
-            await settle(c)
             first = await publish_and_wait(c, 1)
             second = await publish_and_wait(c, 2)
             held = gateway.state("engine-0")
             # even routed to by mistake meanwhile, it is paused before its reload
             await gateway.resume("engine-0", 2)
-            c.register_engine("engine-0", engine.url, 1, routed=False)
-            await settle(c)
-            return first, second, held, gateway.state("engine-0"), c
+            return first, second, held, await registers_again(c, gateway, engine, 1), c
         finally:
             await c.close()
 
@@ -609,14 +621,8 @@ def test_cut_through_a_push_that_dies_half_way_fails_the_version_without_retries
     pulled: list[int] = []
 
     async def main() -> tuple[Any, ...]:
-        gateway = PoolGateway({"engine-0": engine})
-        await gateway.join()
-        c = coordinator(
-            {"engine-0": engine}, gateway, transport="grpc", static=False, transfer_timeout_s=0.5
-        )
+        gateway, c = await registered_by_a_gateway(engine, transfer_timeout_s=0.5)
         try:
-            c.register_engine("engine-0", engine.url, 0)
-            await settle(c)
             first = await publish_and_wait(c, 1)
             pulling_worker(c, engine, pulled)
             second = c.publish(2, 2, THREE_BUCKETS)
@@ -628,9 +634,7 @@ def test_cut_through_a_push_that_dies_half_way_fails_the_version_without_retries
                 await asyncio.sleep(0.01)
             held = gateway.state("engine-0")
             engine.pull = None
-            c.register_engine("engine-0", engine.url, 1, routed=False)
-            await settle(c)
-            return first, second, held, gateway.state("engine-0"), c
+            return first, second, held, await registers_again(c, gateway, engine, 1), c
         finally:
             await c.close()
 
