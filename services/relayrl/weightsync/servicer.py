@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -38,12 +38,25 @@ class SharedChunks:
     """The serialised chunk messages of the buckets pulled last: receivers that pull the same
     version at once (cut-through pulls move in step) share one copy of each chunk, so the
     service copies a chunk once however many receivers there are. At most `keep` buckets are
-    kept; a puller far behind the others builds its own."""
+    kept, and none once the last puller is done; a puller far behind the others builds its
+    own."""
 
     def __init__(self, chunk_bytes: int, keep: int = 2) -> None:
         self._chunk_bytes = chunk_bytes
         self._keep = keep
         self._cache: OrderedDict[tuple[str, int], list[bytes]] = OrderedDict()
+        self._pullers = 0
+
+    @contextlib.contextmanager
+    def pulling(self) -> Iterator[None]:
+        """Around one puller's stream: the cache lives while anyone pulls."""
+        self._pullers += 1
+        try:
+            yield
+        finally:
+            self._pullers -= 1
+            if not self._pullers:
+                self._cache.clear()
 
     def of(self, transfer: Transfer, index: int, data: bytes) -> list[bytes]:
         key = (transfer.transfer_id, index)
@@ -210,16 +223,17 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             transfer = self._c.committed
         else:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no version is committed yet")
-        for index in range(len(transfer.layouts)):
-            try:
-                data = await self._c.bucket(transfer, index)
-            except SyncError as exc:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"transfer {transfer.transfer_id} holds no complete set of buckets: {exc}",
-                )
-            for message in self._chunks.of(transfer, index, data):
-                yield message
+        with self._chunks.pulling():
+            for index in range(len(transfer.layouts)):
+                try:
+                    data = await self._c.bucket(transfer, index)
+                except SyncError as exc:
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"transfer {transfer.transfer_id} holds no complete set of buckets: {exc}",
+                    )
+                for message in self._chunks.of(transfer, index, data):
+                    yield message
 
     async def AckVersion(
         self, request: pb.AckVersionRequest, context: grpc.aio.ServicerContext

@@ -40,6 +40,17 @@ def test_receivers_in_step_share_one_copy_and_a_far_behind_one_builds_its_own() 
     assert _serialized(messages[0]) == first[0]
 
 
+def test_nothing_is_kept_once_the_last_puller_is_done() -> None:
+    buckets = [bytes([i]) * 10 for i in range(2)]
+    transfer: Any = Transfer("v1", buckets)
+    chunks = SharedChunks(chunk_bytes=4)
+    with chunks.pulling():
+        with chunks.pulling():
+            first = chunks.of(transfer, 0, buckets[0])
+        assert chunks.of(transfer, 0, buckets[0]) is first  # one puller still pulls
+    assert chunks.of(transfer, 0, buckets[0]) is not first  # built again: none was kept
+
+
 def test_an_empty_bucket_is_one_last_chunk() -> None:
     transfer: Any = Transfer("v2", [b""])
     (only,) = SharedChunks(chunk_bytes=4).of(transfer, 0, b"")
