@@ -96,6 +96,9 @@ class Coordinator:
         advertise_target: Callable[[], str],
     ) -> None:
         self._config = config
+        plane = config.data_plane
+        # gRPC cut through: a version's switch starts at its first bucket, not its last
+        self._cut_through = plane.cut_through and not DATA_PLANES[plane.transport].broadcast
         self._switch_lock = asyncio.Lock()
         self._kept = KeptResources("sink")  # the Mooncake engine, started on first use
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -221,11 +224,6 @@ class Coordinator:
     async def bucket(self, transfer: Transfer, index: int) -> bytes:
         """Bucket `index` of `transfer` as soon as it is here (see `Versions.bucket`)."""
         return await self._versions.bucket(transfer, index)
-
-    @property
-    def _cut_through(self) -> bool:
-        plane = self._config.data_plane
-        return plane.cut_through and not DATA_PLANES[plane.transport].broadcast
 
     # -- the switch -----------------------------------------------------------------------
 

@@ -138,6 +138,11 @@ class Transfer:
         )
 
 
+def _failed(transfer: Transfer) -> SyncError:
+    """What a puller or the switch waiting on a failed transfer is told."""
+    return SyncError("transport", f"transfer {transfer.transfer_id} failed: {transfer.error}")
+
+
 class Versions:
     """Every transfer and the committed one. `spawn` runs a background coroutine (the deadline
     of a transfer's buckets) under the coordinator's care."""
@@ -326,9 +331,7 @@ class Versions:
         transfer's own deadline at the latest (`transfer_timeout_s` fails it)."""
         while True:
             if transfer.failed:
-                raise SyncError(
-                    "transport", f"transfer {transfer.transfer_id} failed: {transfer.error}"
-                )
+                raise _failed(transfer)
             data = transfer.buckets[index]
             if data is not None:
                 return data
@@ -345,9 +348,7 @@ class Versions:
         while not transfer.complete.is_set() and not transfer.failed:
             await transfer.changed.wait()
         if transfer.failed:
-            raise SyncError(
-                "transport", f"transfer {transfer.transfer_id} failed: {transfer.error}"
-            )
+            raise _failed(transfer)
 
     @staticmethod
     def _rebuilt(transfer: Transfer, index: int, delta: bytes) -> bytes:
