@@ -367,6 +367,16 @@ class TrainerConfig(ServiceConfig):
         "(forward, backward, optimizer) by a sleep of this many seconds; the weights stay as "
         "built and are still published every step. null: the real update.",
     )
+    research_policy_lag: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="RESEARCH ONLY (`make bench-staleness`, docs/staleness.md#controlled-lag): "
+        "rollout samples from weights exactly this many versions behind the trainer (on top of "
+        "the mode's own lag), to measure what staleness costs and what the corrections win "
+        "back. Needs publish type weightsync; the trainer keeps this many + 1 host copies of "
+        "the model. 0: off.",
+    )
     metrics_log: Path | None = Field(
         None, description="JSONL file that receives every step's metrics."
     )
@@ -381,6 +391,21 @@ class TrainerConfig(ServiceConfig):
     @model_validator(mode="after")
     def _mode_rules(self) -> TrainerConfig:
         self.algorithm.build_mode().check(self)  # the table of modes checks its own rules
+        return self
+
+    @model_validator(mode="after")
+    def _lag_rules(self) -> TrainerConfig:
+        if self.research_policy_lag and self.publish.type != "weightsync":
+            raise ValueError(
+                f"research_policy_lag ({self.research_policy_lag}) holds rollout back through "
+                f"weight-sync's versions; with publish type {self.publish.type} it cannot: "
+                "set publish.type weightsync or research_policy_lag 0"
+            )
+        if self.research_policy_lag and self.emulated_update_s is not None:
+            raise ValueError(
+                "research_policy_lag needs the real update (emulated_update_s leaves the weights "
+                "as built, so every version would be the same): drop one of them"
+            )
         return self
 
     # -- the runtime (torchtitan's Config.build()): each builder imports its component when
@@ -400,7 +425,10 @@ class TrainerConfig(ServiceConfig):
         from relayrl.trainer.publish import build_publisher
 
         return build_publisher(
-            self.publish, self.model.hf_dir, outage_timeout_s=self.outage_timeout_s
+            self.publish,
+            self.model.hf_dir,
+            outage_timeout_s=self.outage_timeout_s,
+            lag=self.research_policy_lag,
         )
 
     def build_updater(self, policy: Policy, data_parallel: DataParallel) -> Updater:

@@ -295,6 +295,7 @@ class TrainingLoop:
                 "checkpoint's" if self.step else "initial",
                 "unknown" if committed is None else committed,
             )
+        self.publisher.begin(self.step, self.model, self.spec)
         self.status.published_version = self.step
 
     def save(self) -> None:
@@ -362,6 +363,8 @@ class TrainingLoop:
                 break
             groups, metrics, waited = payload
             self._train_step(groups, metrics, waited, step_start)
+        self.publisher.finish(self.model, self.spec)
+        self.status.published_version = self.publisher.rollout_version(self.step)
         self.status.state = State.STOPPED
 
     def _train_step(
@@ -379,7 +382,7 @@ class TrainingLoop:
             self.mode.after_publish(rollout)
         self.step += 1
         self.status.step = self.step
-        self.status.published_version = self.step
+        self.status.published_version = self.publisher.rollout_version(self.step)
         result.values.update(published)
         result.phases_s["wait"] = waited_s
         if self.leader is not None:
@@ -425,7 +428,7 @@ class TrainingLoop:
             else {}
         )
         if self.metrics is not None:
-            self.metrics.published_version.set(self.step)
+            self.metrics.published_version.set(self.status.published_version)
             self.metrics.observe(metrics, result.phases_s)
         logger.info(
             "step %d: reward %.3f, %d groups, staleness max %d, %.1fs",

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from relayrl.core.outage import Outage
@@ -39,6 +40,18 @@ class WeightPublisher(ABC):
     def committed_version(self) -> int | None:
         """The version rollout holds now, where the backend knows it (None: it does not)."""
         return None
+
+    def begin(self, version: int, model: PolicyModel, spec: ModelSpec) -> None:  # noqa: B027
+        """Rollout holds `model` as `version` now (the loop has restored and republished it);
+        called once before the first step, on every rank."""
+
+    def finish(self, model: PolicyModel, spec: ModelSpec) -> None:  # noqa: B027
+        """Training is over (or stopped): anything trained but not yet published goes out now,
+        so what a run leaves in rollout is its last policy; on every rank."""
+
+    def rollout_version(self, trained: int) -> int:
+        """The newest version rollout has been sent, after `trained` versions were trained."""
+        return trained
 
 
 class NoPublisher(WeightPublisher):
@@ -138,13 +151,20 @@ class WeightSyncPublisher(WeightPublisher):
     def publish(
         self, version: int, model: PolicyModel, spec: ModelSpec, *, supersede: bool = False
     ) -> dict[str, float]:
+        from relayrl.trainer.hf_mapping import export_hf_tensors
+
+        tensors = list(export_hf_tensors(model, spec))  # collective: once, whatever the tries
+        return self.publish_tensors(version, tensors, supersede=supersede)
+
+    def publish_tensors(
+        self, version: int, tensors: list[tuple[str, torch.Tensor]], *, supersede: bool = False
+    ) -> dict[str, float]:
+        """`publish` of an export already made (`export_hf_tensors`); on every rank."""
         import grpc
 
-        from relayrl.trainer.hf_mapping import export_hf_tensors
         from relayrl.weightsync.sender import PublishError
 
         sender = self._connect()
-        tensors = list(export_hf_tensors(model, spec))  # collective: once, whatever the tries
         outage = self._outage()
         while True:
             error: Exception | None = None
@@ -165,12 +185,70 @@ class WeightSyncPublisher(WeightPublisher):
         }
 
 
+class LaggedPublisher(WeightPublisher):
+    """RESEARCH ONLY (`research_policy_lag`, `make bench-staleness`,
+    docs/staleness.md#controlled-lag): rollout samples from weights exactly `lag` versions
+    behind the trainer.
+
+    After training version v the trainer keeps a host copy of its export and publishes version
+    v - lag, from the copy it made `lag` steps ago, under its own number. Weight-sync and the
+    engines see versions only go forward and every trajectory is tagged with the version that
+    really generated it, so the trainer's policy lag (step - launching version) is `lag` plus
+    the mode's own. Rollout starts from the version it holds when the loop begins (the initial
+    or a restored one) and stays on it for the first `lag` steps: the lag builds up from 0.
+    At the end the last trained version is published, so the run leaves (and the final
+    evaluation sees) the trained policy. Costs `lag + 1` host copies of the model's export."""
+
+    def __init__(self, inner: WeightSyncPublisher, lag: int) -> None:
+        if lag < 1:
+            raise ValueError(f"a lagged publisher needs lag >= 1 (got {lag})")
+        self._inner = inner
+        self._lag = lag
+        self._held: dict[int, list[tuple[str, torch.Tensor]]] = {}  # version -> export
+        self._published = 0
+
+    @staticmethod
+    def _export(model: PolicyModel, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+        from relayrl.trainer.hf_mapping import export_hf_tensors
+
+        return [(name, tensor.cpu()) for name, tensor in export_hf_tensors(model, spec)]
+
+    def committed_version(self) -> int | None:
+        return self._inner.committed_version()
+
+    def begin(self, version: int, model: PolicyModel, spec: ModelSpec) -> None:
+        self._held = {version: self._export(model, spec)}
+        self._published = version
+
+    def publish(
+        self, version: int, model: PolicyModel, spec: ModelSpec, *, supersede: bool = False
+    ) -> dict[str, float]:
+        if supersede:  # a resume: rollout gets the restored weights; `begin` follows
+            return self._inner.publish(version, model, spec, supersede=True)
+        self._held[version] = self._export(model, spec)
+        return self._send(version - self._lag)
+
+    def _send(self, version: int) -> dict[str, float]:
+        if version <= self._published or version not in self._held:
+            return {}
+        published = self._inner.publish_tensors(version, self._held[version])
+        self._published = version
+        for old in [v for v in self._held if v < version]:
+            del self._held[old]
+        return published
+
+    def finish(self, model: PolicyModel, spec: ModelSpec) -> None:
+        if self._held:
+            self._send(max(self._held))
+
+    def rollout_version(self, trained: int) -> int:
+        return self._published
+
+
 def _every_rank(ok: bool) -> bool:
     """Whether `ok` holds on every trainer rank (collective when there are several)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ok
-    import torch
-
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -188,7 +266,14 @@ def build_publisher(
     hf_dir: Path,
     *,
     outage_timeout_s: float = 600.0,
+    lag: int = 0,
 ) -> WeightPublisher:
-    return PUBLISHERS[settings.type](  # type: ignore[arg-type]
+    """The publisher of `settings.type`; with `lag` (research only, weightsync only, checked
+    by the trainer's config) wrapped so rollout stays that many versions behind."""
+    publisher = PUBLISHERS[settings.type](  # type: ignore[arg-type]
         settings, hf_dir, outage_timeout_s=outage_timeout_s
     )
+    if lag:
+        assert isinstance(publisher, WeightSyncPublisher), "the config allows lag with weightsync"
+        return LaggedPublisher(publisher, lag)
+    return publisher

@@ -5,6 +5,7 @@ weights change with it. Rollout and reward are played by `RolloutEmulator`."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 
 import grpc
@@ -114,3 +115,34 @@ def test_tp2_trainer_ranks_send_to_two_replicas(
     ]
     states = [engine_state(e) for e in engines]
     assert states[0] == states[1] and states[0][0] == "1"  # same label, same weights
+
+
+def test_a_research_lag_holds_the_engine_exactly_that_many_versions_back(
+    redis_server, tq, model_dir, engine, tmp_path
+) -> None:
+    """research_policy_lag 2 over 5 steps: the engine gets versions 1, 2, 3 (each two steps
+    late, under its own number), then the last trained version, 5, when training ends."""
+    ws_config = {"bucket_size_bytes": 256 * 1024, "engines": {"urls": [engine.url]}}
+    with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
+        config = trainer_config(
+            redis_server,
+            model_dir,
+            tmp_path,
+            total_steps=5,
+            research_policy_lag=2,
+            publish={"type": "weightsync", "target": weightsync.target},
+        )
+        emulator = RolloutEmulator(tq).start()
+        try:
+            trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
+            trainer.start(timeout_s=120)
+            assert wait_exit(trainer, 300) == 0, trainer.log()
+        finally:
+            emulator.stop()
+        log = weightsync.log()
+        assert committed(weightsync).committed.version == 5
+    commits = [int(x.split()[1]) for x in re.findall(r"version \d+ committed", log)]
+    assert commits == [1, 2, 3, 5]
+    published = [r.get("publish_bytes", 0) > 0 for r in steps_logged(tmp_path / "steps.jsonl")]
+    assert published == [False, False, True, True, True]  # steps 0 and 1 sent nothing
+    assert engine_state(engine)[0] == "5"
