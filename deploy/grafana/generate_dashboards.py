@@ -1229,7 +1229,8 @@ def trainer() -> Dashboard:
                     Panel(
                         "Trained staleness p50 / p99 vs bound",
                         "Staleness (step - prompt_step + 1) of trained groups; p99 above "
-                        "the bound fires RelayrlStalenessP99AboveBound.",
+                        "the bound fires RelayrlStalenessP99AboveBound. Policy lag: versions "
+                        "between the weights that sampled a group and the trained ones.",
                         [
                             Target(
                                 quantile(0.5, "relayrl_trainer_trained_staleness_steps", NS), "p50"
@@ -1239,6 +1240,7 @@ def trainer() -> Dashboard:
                             ),
                             Target(step_value("staleness_max"), "max (last step)"),
                             Target(f"max(relayrl_trainer_staleness_bound_steps{{{NS}}})", "bound"),
+                            Target(step_value("policy_lag_mean"), "policy lag mean (last step)"),
                         ],
                         unit="none",
                         min=0,
@@ -1286,11 +1288,13 @@ def trainer() -> Dashboard:
                     ),
                     Panel(
                         "Importance weights: ESS, at cap, rejected",
-                        "Effective sample size of w = π_old/μ, share of weights at the cap, "
-                        "share of tokens removed by rejection masks.",
+                        "Effective sample size of w = π_old/μ, share of weights at the cap "
+                        "(and of raw weights at or over it, whatever the correction), share of "
+                        "tokens removed by rejection masks.",
                         [
                             Target(step_value("is_ess"), "ESS"),
                             Target(step_value("is_frac_capped"), "at cap"),
+                            Target(step_value("is_raw_frac_over_cap"), "over cap, uncorrected"),
                             Target(step_value("rs_rejected_token_frac"), "rejected tokens"),
                         ],
                         unit="percentunit",

@@ -347,6 +347,7 @@ def is_weights(
     - is_ess: (Σw)² / (N Σw²) of those weights (normalisation does not change it);
     - is_raw_ess: the same of the clamped raw ratios, what the weights would be uncorrected;
     - is_frac_capped: fraction of units whose raw ratio is >= cap (tis; else 0);
+    - is_raw_frac_over_cap: the same whatever the kind: how much TIS would cap;
     - is_frac_zeroed: fraction of units outside [alpha, beta] (icepop; else 0);
     - is_frac_clamped: fraction of units whose |log ratio| exceeded log_ratio_clamp.
     """
@@ -382,6 +383,7 @@ def is_weights(
             "is_ess": _ess(kept_applied),
             "is_raw_ess": _ess(raw[unit_keep]),
             "is_frac_capped": _frac(capped, unit_keep),
+            "is_raw_frac_over_cap": _frac(raw >= settings.cap, unit_keep),
             "is_frac_zeroed": _frac(zeroed, unit_keep),
             "is_frac_clamped": _frac(unit_log_r.abs() > bound, unit_keep),
         }

@@ -131,6 +131,14 @@ def test_icepop_zeroes_weights_outside_the_interval() -> None:
     close(w, [[0.0, 0.0, 0.5, 2.0]])
     assert metrics["is_frac_zeroed"] == pytest.approx(0.5)
     assert metrics["is_frac_capped"] == 0.0
+    assert metrics["is_raw_frac_over_cap"] == pytest.approx(0.5)  # 3 and 2 reach cap 2
+
+
+def test_the_fraction_over_the_cap_is_measured_without_correction() -> None:
+    old = t([[math.log(3.0), math.log(0.5), 0.0, math.log(2.5)]])
+    _, metrics = is_weights(old, torch.zeros_like(old), torch.ones_like(old), ISSettings())
+    assert metrics["is_raw_frac_over_cap"] == pytest.approx(0.5)
+    assert metrics["is_frac_capped"] == 0.0  # kind none caps nothing
 
 
 def test_sequence_level_weight_is_exp_of_the_clamped_sum() -> None:
