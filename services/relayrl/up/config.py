@@ -274,6 +274,59 @@ class SupervisionSection(StrictModel):
     )
 
 
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """`0-3,6` -> {0, 1, 2, 3, 6} (the cpu-list format of taskset and cgroups)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list such as 0 or 0-3,6")
+        first, last = int(low), int(high or low)
+        if last < first:
+            raise ValueError(f"{text!r}: the range {part.strip()} runs backwards")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+class PlacementSection(StrictModel):
+    """CPU sets (Linux affinity) for the parts of the run, so that on one machine they do not
+    compete for the same cores, as they would not on a cluster, where the engine and the
+    trainer have their own accelerators (`make bench-e2e` uses it). A child inherits its set
+    when it starts, restarts included; threads it spawns stay inside it. null: any CPU."""
+
+    engine: str | None = Field(None, description="The vLLM engine's CPUs, e.g. `0` or `0-3`.")
+    trainer: str | None = Field(None, description="The trainer's CPUs.")
+    services: str | None = Field(
+        None, description="Redis, the gateway, the reward-service and weight-sync."
+    )
+
+    @field_validator("engine", "trainer", "services")
+    @classmethod
+    def _cpu_list(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        import os
+
+        cpus = parse_cpu_list(value)
+        available = os.sched_getaffinity(0)
+        if not cpus <= available:
+            raise ValueError(
+                f"CPUs {sorted(cpus - available)} of {value!r} are not available here "
+                f"(this process may use {sorted(available)})"
+            )
+        return value
+
+    def cpus_for(self, child: str) -> frozenset[int] | None:
+        """The CPU set of a child of the stack (`engine-0`, `trainer`, `redis`, ...)."""
+        if child.startswith("engine"):
+            chosen = self.engine
+        elif child == "trainer":
+            chosen = self.trainer
+        else:
+            chosen = self.services
+        return None if chosen is None else parse_cpu_list(chosen)
+
+
 class SecuritySection(StrictModel):
     """Who may call the run's services (docs/security.md)."""
 
@@ -350,6 +403,9 @@ class UpConfig(StrictModel):
     )
     supervision: SupervisionSection = Field(
         default_factory=SupervisionSection, description="Restarts."
+    )
+    placement: PlacementSection = Field(
+        default_factory=PlacementSection, description="CPU sets of the engine, trainer, services."
     )
     security: SecuritySection = Field(
         default_factory=SecuritySection, description="Authentication between the services."

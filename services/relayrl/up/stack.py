@@ -369,14 +369,14 @@ class Stack:
         for name in names:
             child = self.children[name]
             if isinstance(child, EngineChild):
-                with self._starting(name):
+                with self._starting(name), self._pinned(name):
                     child.spawn()
                 booting[name] = time.monotonic()
                 continue
             if name == "gateway":
                 self._wait_for_engines(booting, timeout_s, say)
             started = time.monotonic()
-            with self._starting(name):
+            with self._starting(name), self._pinned(name):
                 child.start(timeout_s)
             self._started(name, started, say)
             if name == "gateway":  # the engines serve once weight-sync vouches for them
@@ -394,6 +394,21 @@ class Stack:
             with self._starting(name):
                 child.wait_ready(max(1.0, timeout_s - (time.monotonic() - spawned)))
             self._started(name, spawned, say)
+
+    @contextlib.contextmanager
+    def _pinned(self, name: str) -> Iterator[None]:
+        """While `name` is spawned, this thread runs on the child's CPU set
+        (`placement`), so the child inherits it; the thread's own set is put back after."""
+        cpus = self.config.placement.cpus_for(name)
+        if cpus is None:
+            yield
+            return
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
 
     @contextlib.contextmanager
     def _starting(self, name: str) -> Iterator[None]:
@@ -496,7 +511,8 @@ class Stack:
                     return
                 child.restarts += 1
                 try:
-                    child.start(self.config.supervision.start_timeout_s)
+                    with self._pinned(name):
+                        child.start(self.config.supervision.start_timeout_s)
                 except Exception as exc:  # it counts as another exit on the next round
                     self._record(Event(time.time(), name, "restart_failed", str(exc)[:500]))
                     continue
