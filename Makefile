@@ -23,7 +23,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents bench-fp8 run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -95,7 +95,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents bench-delta bench-fp8 ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -121,8 +121,14 @@ bench-delta: setup ## delta versions on real training steps (tiny model, SmolLM2
 bench-fp8: setup ## FP8 weight sync vs bf16: bytes, and how the engine's model agrees (tiny, SmolLM2), embeddings bf16 or FP8
 	$(BIN)/python bench/fp8_bench.py
 
-bench-e2e: setup ## the main job in sync vs separate_async (eta 1): trajectories/hour and accuracy gained
+bench-e2e: setup ## sync vs separate_async (eta 1), engine and trainer on their own CPUs: trajectories/hour, accuracy at equal time
 	$(BIN)/python bench/e2e_bench.py
+
+bench-staleness: setup ## rollout held 0/2/4/8 versions behind, uncorrected vs TIS vs IcePop: held-out accuracy (~1 h)
+	$(BIN)/python bench/staleness_bench.py
+
+bench-mismatch: setup ## engine vs trainer log-probs on identical weights: fp32, bf16, FP8 via weight-sync (tiny, SmolLM2)
+	$(BIN)/python bench/mismatch_bench.py
 
 bench-real-model: setup ## SmolLM2-135M on a reasoning-gym task through the real stack: phases, tokens/s, trainer vs plain transformers
 	$(BIN)/python bench/real_model_bench.py
