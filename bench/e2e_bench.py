@@ -1,43 +1,54 @@
-"""The main job, synchronous vs asynchronous: `relayrl up` on the default task for the same
-number of steps in `sync` and in `separate_async` (eta 1), one after the other in one run,
-from the same (cached) warm start.
+"""The main job, synchronous vs asynchronous, placed as on a cluster: `relayrl up` on the
+default task for the same number of steps in `sync` and in `separate_async` (eta 1), one after
+the other in one run, from the same (cached) warm start, with the engine and the trainer on
+disjoint CPU sets (`placement`; the same sets in both modes), so that overlapping rollout and
+training can buy what separate accelerators buy. `--no-placement` lets them share every CPU
+(the shape of a single box, where overlap adds no compute).
 
 Throughput is trained trajectories per hour of training: the trajectories of the groups the
 trainer trained on, over the time from the trainer's start to its last step (model build,
-warm start, engine start and evaluations are outside it; both modes pay them alike). The gain
-is the held-out accuracy (greedy, the run's held-out set) at the end minus the warm start's,
-in points.
+warm start, engine start and the final evaluation are outside it; both modes pay them alike).
+The gain is the held-out accuracy (greedy, the run's held-out set) at the end minus the warm
+start's, in points. Accuracy at equal time compares the two runs at the training time of the
+faster one: its final accuracy against the slower run's latest evaluation by then (every
+`--eval-every` steps). Where the time goes is printed per phase of a step for both modes.
 
 The last line is exactly:
     e2e-bench: async/sync=<trajectories per hour ratio> gain=<points gained in the async run>
+    acc_at_equal_time=<async - sync, points>
+(on one line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
+import os
+import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from up_runs import UpRun, read_jsonl, run_up
 
 MODES = (("sync", 0), ("separate_async", 1))
+PHASES = ("wait", "model", "old_logprobs", "update", "publish")
 
 
 @dataclass
 class Result:
     mode: str
     eta: int
+    run: UpRun
     steps: int
     trajectories: int
     train_s: float
     warm: float
     final: float
     staleness_mean: float
+    phases: dict[str, float]  # mean seconds per step
+    curve: list[tuple[float, float]]  # (training seconds when the evaluated step ended, accuracy)
+    placed: dict[str, str]  # child -> the CPUs it ran on
 
     @property
     def per_hour(self) -> float:
@@ -47,58 +58,99 @@ class Result:
     def gain_points(self) -> float:
         return (self.final - self.warm) * 100
 
+    def accuracy_at(self, seconds: float) -> float:
+        """The latest evaluation of a step that had ended `seconds` into training."""
+        return max((c for c in self.curve if c[0] <= seconds + 1e-6), default=(0.0, self.warm))[1]
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+def default_placement() -> dict[str, str] | None:
+    """Half the CPUs to the engine, the rest to the trainer and the services (on 2 CPUs: one
+    each; the services then share the trainer's, as nothing is left for a third set)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    engine, trainer = cpus[:half], cpus[half:]
+    return {
+        "engine": ",".join(map(str, engine)),
+        "trainer": ",".join(map(str, trainer)),
+        "services": ",".join(map(str, trainer)),
+    }
+
+
+def cpus_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def watch_placement(placed: dict[str, str]):
+    """A `run_up` watcher: records the CPUs each child of the stack is allowed, once the
+    trainer runs (read from /proc, not from the config: what the kernel enforces)."""
+    import json
+
+    def watch(run_dir: Path) -> bool:
+        try:
+            state = json.loads((run_dir / "stack.json").read_text())
+            children = state["children"]
+            if children.get("trainer", {}).get("pid") is None:
+                return False
+            for name, child in children.items():
+                placed[name] = cpus_of(child["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return True
+
+    return watch
 
 
 def run(mode: str, eta: int, args: argparse.Namespace, runs_dir: Path) -> Result:
-    argv = [
-        str(Path(sys.executable).parent / "relayrl"), "up",
-        "--mode", mode, "--eta", str(eta), "--steps", str(args.steps),
-        "--runs-dir", str(runs_dir),
-        *(["--config", str(args.config)] if args.config else []),
-    ]  # fmt: skip
-    started = time.monotonic()
-    log_path = runs_dir / f"{mode}.log"
-    with log_path.open("wb") as log:
-        code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
-    output = log_path.read_text(errors="replace")
-    if code != 0:
-        sys.exit(f"e2e-bench: relayrl up --mode {mode} exited {code}:\n{output[-3000:]}")
-    run_dir = Path(
-        next(x for x in output.splitlines() if x.startswith("relayrl up: run ")).rsplit(" ", 1)[-1]
-    )
-    state = json.loads((run_dir / "run.json").read_text())
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    records = {r["step"]: r for r in read_jsonl(run_dir / "trainer" / "steps.jsonl")}
-    n = config["train"]["samples_per_prompt"]
-    evals = read_jsonl(run_dir / "eval.jsonl")
-    warm = next(e for e in evals if e["kind"] == "warm_start")
-    final = next(e for e in reversed(evals) if e["kind"] == "final")
-    print(
-        f"  {mode:<15} done in {time.monotonic() - started:.0f} s ({run_dir})",
-        file=sys.stderr,
-    )
+    config: dict = {
+        "train": {"mode": mode, "eta": eta, "steps": args.steps},
+        "eval": {"interval_steps": args.eval_every, "sampled": False},
+    }
+    if args.placement:
+        config["placement"] = args.placement
+    placed: dict[str, str] = {}
+    run = run_up(mode, config, runs_dir, bench="e2e-bench", watch=watch_placement(placed))
+    records = run.steps
+    state = run.state
+    n = run.config["train"]["samples_per_prompt"]
+    started = state["training_started"]
+    ended = {r["step"] + 1: r["time"] - started for r in records}  # steps done -> seconds
+    curve = [
+        (ended[e["step"]], e["accuracy"])
+        for e in read_jsonl(run.run_dir / "eval.jsonl")
+        if e["kind"] in ("periodic", "final") and e["step"] in ended
+    ]
     return Result(
         mode=mode,
         eta=eta,
+        run=run,
         steps=len(records),
-        trajectories=sum(r["groups"].get("keep", 0) for r in records.values()) * n,
-        train_s=state["training_finished"] - state["training_started"],
-        warm=warm["accuracy"],
-        final=final["accuracy"],
-        staleness_mean=sum(r.get("staleness_mean", 0) for r in records.values()) / len(records),
+        trajectories=sum(r["groups"].get("keep", 0) for r in records) * n,
+        train_s=run.train_s,
+        warm=run.accuracy("warm_start"),
+        final=run.accuracy("final"),
+        staleness_mean=statistics.fmean(r.get("staleness_mean", 0) for r in records),
+        phases={p: statistics.fmean(r["phases_s"].get(p, 0.0) for r in records) for p in PHASES},
+        curve=curve,
+        placed=placed,
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="trainer steps per mode")
-    parser.add_argument("--config", type=Path, help="relayrl up config (default: built-in)")
+    parser.add_argument("--eval-every", type=int, default=5, help="held-out evaluation interval")
+    parser.add_argument("--no-placement", action="store_true", help="let every part use every CPU")
     parser.add_argument("--runs-dir", type=Path, help="default: a temporary folder")
     args = parser.parse_args()
+    args.placement = None if args.no_placement else default_placement()
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="e2e-bench-"))
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    print(f"e2e-bench: placement {args.placement or 'none'}; runs in {runs_dir}", file=sys.stderr)
     results = [run(mode, eta, args, runs_dir) for mode, eta in MODES]
     print(
         f"{'mode':<15} {'eta':>3} {'steps':>5} {'trajs':>6} {'train s':>8} {'trajs/h':>9} "
@@ -110,9 +162,29 @@ def main() -> None:
             f"{r.per_hour:>9.0f} {r.staleness_mean:>9.2f} {r.warm:>6.1%} {r.final:>6.1%} "
             f"{r.gain_points:>+6.1f}"
         )
+    print("seconds per step, by phase (wait: for scored groups, i.e. rollout and reward):")
+    print(f"{'mode':<15} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'step':>8}")
+    for r in results:
+        step_s = r.train_s / max(r.steps, 1)
+        print(
+            f"{r.mode:<15} "
+            + " ".join(f"{r.phases[p]:>12.2f}" for p in PHASES)
+            + f" {step_s:>8.2f}"
+        )
+    for r in results:
+        print(f"{r.mode:<15} CPUs: " + ", ".join(f"{k}={v}" for k, v in sorted(r.placed.items())))
     sync, async_ = results
     ratio = async_.per_hour / sync.per_hour
-    print(f"e2e-bench: async/sync={ratio:.2f} gain={async_.gain_points:.1f}")
+    equal = min(sync.train_s, async_.train_s)
+    gap = (async_.accuracy_at(equal) - sync.accuracy_at(equal)) * 100
+    print(
+        f"at {equal:.0f} s of training: sync {sync.accuracy_at(equal):.1%}, "
+        f"async {async_.accuracy_at(equal):.1%}"
+    )
+    print(
+        f"e2e-bench: async/sync={ratio:.2f} gain={async_.gain_points:.1f} "
+        f"acc_at_equal_time={gap:.1f}"
+    )
 
 
 if __name__ == "__main__":
