@@ -19,7 +19,7 @@ def test_cpu_lists_read_as_taskset_writes_them() -> None:
     assert parse_cpu_list("0") == {0}
     assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
     for bad in ("", "a", "3-1", "0,,1", "-1"):
-        with pytest.raises(ValueError, match="CPU list|backwards"):
+        with pytest.raises(ValueError, match=r"CPU list|backwards"):
             parse_cpu_list(bad)
 
 
