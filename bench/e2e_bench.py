@@ -32,7 +32,9 @@ from pathlib import Path
 from up_runs import UpRun, read_jsonl, run_up
 
 MODES = (("sync", 0), ("separate_async", 1))
-PHASES = ("wait", "model", "old_logprobs", "update", "publish")
+# The additive phases of a step (the trainer's `model` phase is the compute inside the two
+# middle ones); what is left of the step is `other`: sampling, batching, metrics.
+PHASES = ("wait", "old_logprobs", "update", "publish")
 
 
 @dataclass
@@ -163,13 +165,12 @@ def main() -> None:
             f"{r.gain_points:>+6.1f}"
         )
     print("seconds per step, by phase (wait: for scored groups, i.e. rollout and reward):")
-    print(f"{'mode':<15} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'step':>8}")
+    print(f"{'mode':<15} " + " ".join(f"{p:>12}" for p in (*PHASES, "other", "step")))
     for r in results:
         step_s = r.train_s / max(r.steps, 1)
+        other = step_s - sum(r.phases.values())
         print(
-            f"{r.mode:<15} "
-            + " ".join(f"{r.phases[p]:>12.2f}" for p in PHASES)
-            + f" {step_s:>8.2f}"
+            f"{r.mode:<15} " + " ".join(f"{v:>12.2f}" for v in (*r.phases.values(), other, step_s))
         )
     for r in results:
         print(f"{r.mode:<15} CPUs: " + ", ".join(f"{k}={v}" for k, v in sorted(r.placed.items())))
