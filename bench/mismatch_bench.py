@@ -31,17 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from fp8_bench import PROMPTS as FP8_PROMPTS
 
-PROMPTS = (
-    "What is 17 + 25?",
-    "Name three primary colours.",
-    "Write one sentence about the sea.",
-    "What is the capital of France?",
-    "Explain what a prime number is.",
-    "Give me a synonym for happy.",
-    "How many legs does a spider have?",
-    "Why is the sky blue?",
-)
+PROMPTS = FP8_PROMPTS[:8]  # eight of bench-fp8's short chat prompts
 
 
 @dataclass

@@ -46,22 +46,14 @@ def test_every_step_is_committed_and_a_resumed_trainer_puts_its_weights_back(
             total_steps=3,
             publish={"type": "weightsync", "target": weightsync.target},
         )
-        emulator = RolloutEmulator(tq).start()
-        try:
-            trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
-            trainer.start(timeout_s=120)
-            assert wait_exit(trainer, 300) == 0, trainer.log()
-            assert committed(weightsync).committed.version == 3
-            label, digest = engine_state(engine)
-            assert label == "3" and digest != initial_digest
-            # The trainer crashed before its step-3 checkpoint became durable: the engine
-            # holds version 3, whose weights the resumed trainer no longer has.
-            shutil.rmtree(tmp_path / "ckpt" / f"step-{3:08d}")
-            resumed = ServiceProcess("relayrl-trainer", config, tmp_path / "t2")
-            resumed.start(timeout_s=120)
-            assert wait_exit(resumed, 300) == 0, resumed.log()
-        finally:
-            emulator.stop()
+        train_to_the_end(tq, config, tmp_path / "t")
+        assert committed(weightsync).committed.version == 3
+        label, digest = engine_state(engine)
+        assert label == "3" and digest != initial_digest
+        # The trainer crashed before its step-3 checkpoint became durable: the engine
+        # holds version 3, whose weights the resumed trainer no longer has.
+        shutil.rmtree(tmp_path / "ckpt" / f"step-{3:08d}")
+        resumed = train_to_the_end(tq, config, tmp_path / "t2")
         version = committed(weightsync)
         assert "republished version 2" in resumed.log()
         assert weightsync.log().count("version 2 committed") == 2
@@ -69,6 +61,18 @@ def test_every_step_is_committed_and_a_resumed_trainer_puts_its_weights_back(
     assert [(r.version, r.live) for r in version.replicas] == [(3, True)]
     label, resumed_digest = engine_state(engine)
     assert label == "3" and resumed_digest != initial_digest
+
+
+def train_to_the_end(tq, config: dict, workdir) -> ServiceProcess:
+    """The trainer of `config`, run to its last step against a rollout emulator."""
+    emulator = RolloutEmulator(tq).start()
+    try:
+        trainer = ServiceProcess("relayrl-trainer", config, workdir)
+        trainer.start(timeout_s=120)
+        assert wait_exit(trainer, 300) == 0, trainer.log()
+    finally:
+        emulator.stop()
+    return trainer
 
 
 def committed(weightsync: ServiceProcess) -> pb.GetVersionResponse:
@@ -93,13 +97,7 @@ def test_tp2_trainer_ranks_send_to_two_replicas(
             model={"hf_dir": str(model_dir), "tensor_parallel": 2},
             publish={"type": "weightsync", "target": weightsync.target},
         )
-        emulator = RolloutEmulator(tq).start()
-        try:
-            trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
-            trainer.start(timeout_s=120)
-            assert wait_exit(trainer, 300) == 0, trainer.log()
-        finally:
-            emulator.stop()
+        train_to_the_end(tq, config, tmp_path / "t")
         with grpc.insecure_channel(weightsync.target) as channel:
             version = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
                 pb.GetVersionRequest(), timeout=10
@@ -132,13 +130,7 @@ def test_a_research_lag_holds_the_engine_exactly_that_many_versions_back(
             research_policy_lag=2,
             publish={"type": "weightsync", "target": weightsync.target},
         )
-        emulator = RolloutEmulator(tq).start()
-        try:
-            trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t")
-            trainer.start(timeout_s=120)
-            assert wait_exit(trainer, 300) == 0, trainer.log()
-        finally:
-            emulator.stop()
+        train_to_the_end(tq, config, tmp_path / "t")
         log = weightsync.log()
         assert committed(weightsync).committed.version == 5
     commits = [int(x.split()[1]) for x in re.findall(r"version \d+ committed", log)]
