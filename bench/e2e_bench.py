@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from up_runs import UpRun, read_jsonl, run_up
+from up_runs import UpRun, run_up
 
 MODES = (("sync", 0), ("separate_async", 1))
 # The additive phases of a step (the trainer's `model` phase is the compute inside the two
@@ -123,7 +123,7 @@ def run(mode: str, eta: int, args: argparse.Namespace, runs_dir: Path) -> Result
     ended = {r["step"] + 1: r["time"] - started for r in records}  # steps done -> seconds
     curve = [
         (ended[e["step"]], e["accuracy"])
-        for e in read_jsonl(run.run_dir / "eval.jsonl")
+        for e in run.evals
         if e["kind"] in ("periodic", "final") and e["step"] in ended
     ]
     return Result(

@@ -5,8 +5,10 @@ weights change with it. Rollout and reward are played by `RolloutEmulator`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -37,15 +39,10 @@ def test_every_step_is_committed_and_a_resumed_trainer_puts_its_weights_back(
     redis_server, tq, model_dir, engine, tmp_path
 ) -> None:
     _, initial_digest = engine_state(engine)
-    ws_config = {"bucket_size_bytes": 256 * 1024, "engines": {"urls": [engine.url]}}
-    with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
-        config = trainer_config(
-            redis_server,
-            model_dir,
-            tmp_path,
-            total_steps=3,
-            publish={"type": "weightsync", "target": weightsync.target},
-        )
+    with publishing_to(redis_server, model_dir, tmp_path, [engine], total_steps=3) as (
+        weightsync,
+        config,
+    ):
         train_to_the_end(tq, config, tmp_path / "t")
         assert committed(weightsync).committed.version == 3
         label, digest = engine_state(engine)
@@ -61,6 +58,21 @@ def test_every_step_is_committed_and_a_resumed_trainer_puts_its_weights_back(
     assert [(r.version, r.live) for r in version.replicas] == [(3, True)]
     label, resumed_digest = engine_state(engine)
     assert label == "3" and resumed_digest != initial_digest
+
+
+@contextlib.contextmanager
+def publishing_to(
+    redis_server, model_dir, tmp_path, engines, *, bucket_size_bytes: int = 256 * 1024, **over
+) -> Iterator[tuple[ServiceProcess, dict]]:
+    """A relayrl-weightsync in front of `engines`, and a trainer config (`over` its fields)
+    that publishes to it."""
+    ws_config = {
+        "bucket_size_bytes": bucket_size_bytes,
+        "engines": {"urls": [e.url for e in engines]},
+    }
+    with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
+        publish = {"type": "weightsync", "target": weightsync.target}
+        yield weightsync, trainer_config(redis_server, model_dir, tmp_path, publish=publish, **over)
 
 
 def train_to_the_end(tq, config: dict, workdir) -> ServiceProcess:
@@ -86,17 +98,15 @@ def test_tp2_trainer_ranks_send_to_two_replicas(
     redis_server, tq, model_dir, engine, second_engine, tmp_path
 ) -> None:
     engines = [engine, second_engine]
-    urls = [e.url for e in engines]
-    ws_config = {"bucket_size_bytes": 128 * 1024, "engines": {"urls": urls}}
-    with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
-        config = trainer_config(
-            redis_server,
-            model_dir,
-            tmp_path,
-            total_steps=1,
-            model={"hf_dir": str(model_dir), "tensor_parallel": 2},
-            publish={"type": "weightsync", "target": weightsync.target},
-        )
+    with publishing_to(
+        redis_server,
+        model_dir,
+        tmp_path,
+        engines,
+        bucket_size_bytes=128 * 1024,
+        total_steps=1,
+        model={"hf_dir": str(model_dir), "tensor_parallel": 2},
+    ) as (weightsync, config):
         train_to_the_end(tq, config, tmp_path / "t")
         with grpc.insecure_channel(weightsync.target) as channel:
             version = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
@@ -120,16 +130,9 @@ def test_a_research_lag_holds_the_engine_exactly_that_many_versions_back(
 ) -> None:
     """research_policy_lag 2 over 5 steps: the engine gets versions 1, 2, 3 (each two steps
     late, under its own number), then the last trained version, 5, when training ends."""
-    ws_config = {"bucket_size_bytes": 256 * 1024, "engines": {"urls": [engine.url]}}
-    with ServiceProcess("relayrl-weightsync", ws_config, tmp_path / "ws") as weightsync:
-        config = trainer_config(
-            redis_server,
-            model_dir,
-            tmp_path,
-            total_steps=5,
-            research_policy_lag=2,
-            publish={"type": "weightsync", "target": weightsync.target},
-        )
+    with publishing_to(
+        redis_server, model_dir, tmp_path, [engine], total_steps=5, research_policy_lag=2
+    ) as (weightsync, config):
         train_to_the_end(tq, config, tmp_path / "t")
         log = weightsync.log()
         assert committed(weightsync).committed.version == 5
