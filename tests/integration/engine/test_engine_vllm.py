@@ -70,6 +70,25 @@ def test_tokens_and_logprobs_match_transformers_on_the_same_weights(
     assert [(s.start, s.end) for s in generation.version_spans] == [(0, GREEDY.max_tokens)]
 
 
+def test_sampled_logprobs_are_those_of_the_tempered_distribution_the_trainer_computes(
+    engine: EngineProcess, model_dir: Path
+) -> None:
+    """At temperature 0.6 a token's log-prob is log softmax(logits / 0.6), as the trainer's
+    recompute has it (relayrl.trainer.forward), not vLLM's default temperature-1 one, which
+    differs by 0.18 nats per token on SmolLM2 and would read as train/inference mismatch."""
+    sampling = SamplingOptions(max_tokens=12, temperature=0.6, seed=5, ignore_eos=True)
+    generation: Generation = run(engine, lambda client: client.generate(request(sampling)))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([list(PROMPT) + list(generation.token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1 : -1].double()
+    tokens = torch.tensor(generation.token_ids)
+    tempered = torch.log_softmax(logits / 0.6, dim=-1)[torch.arange(len(tokens)), tokens]
+    raw = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens)), tokens]
+    assert generation.logprobs == pytest.approx(tempered.tolist(), abs=1e-3)
+    assert float((tempered - raw).abs().mean()) > 1e-2  # the two really differ here
+
+
 def test_a_pause_keep_across_a_version_change_splits_the_spans(engine: EngineProcess) -> None:
     long = SamplingOptions(max_tokens=400, temperature=1.0, seed=1, ignore_eos=True)
 
