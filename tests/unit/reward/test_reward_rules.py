@@ -13,6 +13,7 @@ from relayrl.reward.items import InvalidItem, RewardItem, Status, Verdict
 from relayrl.reward.managers.base import ManagerContext, outcome_of
 from relayrl.reward.managers.naive import NaiveConfig, NaiveManager
 from relayrl.reward.managers.rules import (
+    GSM8K_FLEXIBLE_SCORE,
     RULE_SCORERS,
     extract_gsm8k_answer,
     extract_math_answer,
@@ -69,7 +70,10 @@ GSM8K_SOLUTION = (
     ],
 )
 def test_gsm8k_correct(response: str, ground_truth: str) -> None:
-    assert_correct(score_gsm8k(item(response, ground_truth, "gsm8k")))
+    verdict = score_gsm8k(item(response, ground_truth, "gsm8k"))
+    assert verdict.status is Status.OK, verdict.message
+    # the format the prompt asks for earns the full reward; the right last number, half
+    assert verdict.score == (1.0 if "(strict)" in verdict.message else GSM8K_FLEXIBLE_SCORE)
 
 
 @pytest.mark.parametrize(
@@ -445,7 +449,8 @@ def test_naive_dispatches_by_data_source() -> None:
     assert_wrong(score(manager, item("Answer: 8", "9", "arith")))
     # the same text is judged by the rules of its source
     assert_wrong(score(manager, item("the result is 9", "9", "arith")))
-    assert_correct(score(manager, item("the result is 9", "9", "gsm8k")))
+    flexible = score(manager, item("the result is 9", "9", "gsm8k"))
+    assert (flexible.score, flexible.status) == (GSM8K_FLEXIBLE_SCORE, Status.OK)
 
 
 def test_naive_score_batch_keeps_order_and_isolates_failures() -> None:

@@ -148,9 +148,16 @@ def _format_number(value: Fraction) -> str:
     return str(float(value))
 
 
+GSM8K_FLEXIBLE_SCORE = 0.5
+"""The reward of a right number that the response did not put after `####`
+(docs/rewards.md#gsm8k)."""
+
+
 def score_gsm8k(item: RewardItem) -> Verdict:
     """GSM8K final-answer match: the extracted number equals the ground truth's (42.0 == 42,
-    $1,000 == 1000)."""
+    $1,000 == 1000). A right answer after `####` (the format GSM8K's prompts ask for) scores
+    1; a right last number without it scores GSM8K_FLEXIBLE_SCORE (verl's scorer gives it 0,
+    which leaves a model that has not learned the format without any signal)."""
     raw_truth = _require_ground_truth(item)
     try:
         expected = gsm8k_ground_truth(raw_truth)
@@ -160,12 +167,15 @@ def score_gsm8k(item: RewardItem) -> Verdict:
     if found is None:
         return _no_answer("number", _format_number(expected))
     value, strict = found
-    return _verdict(
+    verdict = _verdict(
         value == expected,
         _format_number(value),
         _format_number(expected),
         "strict" if strict else "flexible",
     )
+    if verdict.status is Status.OK and not strict:
+        return Verdict(GSM8K_FLEXIBLE_SCORE, Status.OK, message=verdict.message)
+    return verdict
 
 
 # --------------------------------------------------------------------------------------------
