@@ -215,7 +215,6 @@ def compose_stack(
             "data": {
                 "prompts_file": str(write_prompts(root / "prompts.jsonl", 4 * args.batch_size)),
                 "poll_interval_s": 0.005,
-                "wait_timeout_s": 600,
             },
             "publish": {"wait_for_commit": True},
             "gateway": {"default_timeout_s": 30},

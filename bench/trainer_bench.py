@@ -117,7 +117,7 @@ def main() -> int:
                     "train_batch_groups": args.groups,
                     "micro_batch_size": args.micro_batch_size,
                 },
-                "data": {"wait_timeout_s": 60},
+                "progress": {"stall_min_s": 60},
                 "metrics_log": str(log),
                 "total_steps": args.steps + args.warmup,
             }

@@ -22,7 +22,9 @@ from relayrl.core.config import (
 )
 from relayrl.tq.config import TQConfig
 from relayrl.trainer.advantages import AdvantageSettings
+from relayrl.trainer.curriculum import CurriculumSettings
 from relayrl.trainer.losses import LossSettings
+from relayrl.trainer.progress import ProgressSettings
 
 if TYPE_CHECKING:  # the builders import their components when called, not the config
     from relayrl.tq import TransferQueue
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # the builders import their components when called, not the c
     from relayrl.trainer.loop import Control, Leader, Status, TrainingLoop
     from relayrl.trainer.metrics import TrainerMetrics
     from relayrl.trainer.modes import TrainerMode
+    from relayrl.trainer.progress import ProgressWatch
     from relayrl.trainer.publish import WeightPublisher
     from relayrl.trainer.replay import ReplaySampler
     from relayrl.trainer.rollout_link import GatewayLink
@@ -183,6 +186,14 @@ class AlgorithmSettings(StrictModel):
     dapo_filter: bool = Field(
         True, description="Skip groups without signal (no/one valid member, zero reward std)."
     )
+    filter_budget: float | None = Field(
+        4.0,
+        ge=1.0,
+        le=1000.0,
+        description="A step that has consumed this many times its batch and kept at least one "
+        "group trains on what it kept (and says so) instead of waiting for a full batch "
+        "(docs/algorithms.md#filter-budget); null: wait for a full batch.",
+    )
     refill_per_filtered: int = Field(
         1,
         ge=1,
@@ -255,6 +266,11 @@ class PromptDataSettings(StrictModel):
     partition: str = Field("train", min_length=1, description="TransferQueue partition.")
     samples_per_prompt: int = Field(4, ge=1, le=1024, description="Trajectories per group.")
     shuffle_seed: int = Field(0, ge=0, description="Order of prompts in every epoch.")
+    curriculum: CurriculumSettings = Field(
+        default_factory=CurriculumSettings,
+        description="Which prompt comes next: every prompt once per epoch, plus replays of "
+        "prompts that still have signal (docs/algorithms.md#curriculum).",
+    )
     run_id: str = Field(
         "run",
         pattern=r"^[A-Za-z0-9.-]{1,40}$",
@@ -267,12 +283,6 @@ class PromptDataSettings(StrictModel):
     agent: str = Field("", description="Agent loop for prompts that name none (gateway default).")
     poll_interval_s: float = Field(
         0.2, gt=0, le=60, description="How often to look for scored groups while waiting."
-    )
-    wait_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="A step that has waited this long for scored groups fails with a clear "
-        "error (rollout or reward stalled) instead of hanging.",
     )
 
     @model_validator(mode="after")
@@ -352,6 +362,11 @@ class TrainerConfig(ServiceConfig):
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
     data: PromptDataSettings = Field(default_factory=PromptDataSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    progress: ProgressSettings = Field(
+        default_factory=ProgressSettings,
+        description="Reports of a waiting step and the stop rules of a run that cannot "
+        "progress (docs/progress.md).",
+    )
     publish: PublishSettings = Field(default_factory=NoPublishSettings)
     gateway: GrpcClientConfig | None = Field(
         None,
@@ -449,6 +464,7 @@ class TrainerConfig(ServiceConfig):
     def build_feeder(self, tq: TransferQueue) -> PromptFeeder | None:
         """The prompt feeder of `data.prompts_file` or of the dataset's training split; None
         when someone else feeds."""
+        from relayrl.trainer.curriculum import Curriculum
         from relayrl.trainer.feeder import (
             GroupTemplate,
             PromptFeeder,
@@ -473,10 +489,11 @@ class TrainerConfig(ServiceConfig):
             prompts = load_dataset_prompts(
                 data.train_files, data.heldout_files, data.heldout_fraction
             )
-        return PromptFeeder(tq, prompts, template, data.shuffle_seed)
+        curriculum = Curriculum(len(prompts), data.shuffle_seed, data.curriculum)
+        return PromptFeeder(tq, prompts, template, curriculum)
 
-    def build_sampler(self, tq: TransferQueue) -> ReplaySampler:
-        """The staleness gate over `data.partition`."""
+    def build_sampler(self, tq: TransferQueue, watch: ProgressWatch) -> ReplaySampler:
+        """The staleness gate over `data.partition`, reporting to `watch`."""
         from relayrl.trainer.replay import ReplaySampler
 
         data, algorithm = self.data, self.algorithm
@@ -486,8 +503,9 @@ class TrainerConfig(ServiceConfig):
             policy=algorithm.staleness.policy,
             threshold=algorithm.staleness_threshold,
             poll_interval_s=data.poll_interval_s,
-            wait_timeout_s=data.wait_timeout_s,
+            watch=watch,
             refill_per_filtered=algorithm.refill_per_filtered,
+            filter_budget=algorithm.filter_budget,
             outage_timeout_s=self.outage_timeout_s,
         )
 
@@ -501,13 +519,16 @@ class TrainerConfig(ServiceConfig):
     def build_leader(self, tq: TransferQueue, mode: TrainerMode) -> Leader:
         """Rank 0's side of every step, over an open TransferQueue."""
         from relayrl.trainer.loop import Leader
+        from relayrl.trainer.progress import ProgressWatch
 
+        watch = ProgressWatch(self.progress)
         return Leader(
             self,
             tq,
             mode,
             feeder=self.build_feeder(tq),
-            sampler=self.build_sampler(tq),
+            sampler=self.build_sampler(tq, watch),
+            watch=watch,
             gateway=self.build_gateway_link(),
         )
 

@@ -1,10 +1,14 @@
 """The trainer's prompt feeder: prompt groups into the TransferQueue, ahead of training.
 
-The feeder owns one number, `num_issued`: prompts are issued in a fixed, seeded order (a fresh
-permutation per epoch), and the n-th issued group always has uid `<run_id>-<n>` and the same
-prompt, so feeding is idempotent. The cursor is checkpointed; on resume the feeder also skips
-uids already in the queue (issued after the checkpoint, before the crash), because re-putting
-one with a newer prompt_step would be a different group under the same uid.
+The feeder owns one number, `num_issued`: the n-th issued group has uid `<run_id>-<n>`, and its
+prompt is the curriculum's choice (relayrl.trainer.curriculum: every prompt once per epoch, plus
+replays of prompts that still have signal). A group carries its prompt's row as `prompt_key`,
+so the trainer's verdict on it teaches the curriculum about that prompt.
+
+A uid, once put, names one prompt forever: the TransferQueue keeps the first put of a key. The
+cursor and the curriculum's state are checkpointed; on resume the feeder adopts the groups
+already in the queue past the checkpoint's cursor (issued after it, before the crash) instead
+of issuing those uids again, and the curriculum counts their prompts as issued.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
+from relayrl.trainer.curriculum import Curriculum
 
 _ALLOWED_KEYS = {"prompt", "messages", "ground_truth", "data_source", "agent", "labels"}
 
@@ -102,25 +106,6 @@ def load_dataset_prompts(
     return [_record(raw, f"{raw['data_source']} prompt") for raw in dataset.train]
 
 
-class PromptOrder:
-    """The n-th prompt to issue: epoch n // N, position from that epoch's seeded permutation."""
-
-    def __init__(self, num_prompts: int, seed: int) -> None:
-        self._num_prompts = num_prompts
-        self._seed = seed
-        self._epoch = -1
-        self._permutation = np.arange(num_prompts)
-
-    def index(self, n: int) -> int:
-        epoch, position = divmod(n, self._num_prompts)
-        if epoch != self._epoch:
-            self._permutation = np.random.default_rng([self._seed, epoch]).permutation(
-                self._num_prompts
-            )
-            self._epoch = epoch
-        return int(self._permutation[position])
-
-
 @dataclass(frozen=True)
 class GroupTemplate:
     """What every issued group shares."""
@@ -139,20 +124,23 @@ class PromptFeeder:
         tq: TransferQueue,
         records: list[PromptRecord],
         template: GroupTemplate,
-        seed: int,
+        curriculum: Curriculum,
         num_issued: int = 0,
     ) -> None:
         self._tq = tq
         self._records = records
         self._template = template
-        self._order = PromptOrder(len(records), seed)
+        self.curriculum = curriculum
         self.num_issued = num_issued
+        # prompts chosen for uids not yet put: a put retried after an outage reuses them
+        self._chosen: dict[int, int] = {}
 
     def uid(self, n: int) -> str:
         return f"{self._template.run_id}-{n:09d}"
 
-    def group(self, n: int, step: int) -> common_pb2.PromptGroup:
-        record = self._records[self._order.index(n)]
+    def group(self, n: int, index: int, step: int) -> common_pb2.PromptGroup:
+        """The n-th group, of prompt `index`."""
+        record = self._records[index]
         t = self._template
         return common_pb2.PromptGroup(
             uid=self.uid(n),
@@ -167,21 +155,62 @@ class PromptFeeder:
             ),
             agent=record.agent or t.default_agent,
             labels=dict(record.labels),
+            prompt_key=str(index),
         )
 
-    def skip_existing(self) -> int:
-        """After a resume: moves the cursor past groups that are already in the queue."""
-        skipped = 0
-        while self._tq.groups_exist(self._template.partition, [self.uid(self.num_issued)])[0]:
+    def adopt_existing(self) -> int:
+        """After a resume: moves the cursor past groups that are already in the queue, and the
+        curriculum counts their prompts as issued."""
+        adopted = 0
+        partition = self._template.partition
+        while self._tq.groups_exist(partition, [self.uid(self.num_issued)])[0]:
+            (found,) = self._tq.get_groups(
+                partition, [self.uid(self.num_issued)], with_trajectories=False
+            )
+            index = self.prompt_index(found.group)
+            if index is not None:
+                self.curriculum.adopt(index)
             self.num_issued += 1
-            skipped += 1
-        return skipped
+            adopted += 1
+        return adopted
+
+    def prompt_index(self, group: common_pb2.PromptGroup) -> int | None:
+        """The row of this feeder's prompts that `group` rolls out, if it is one of ours."""
+        key = group.prompt_key
+        if not key.isdigit() or int(key) >= len(self._records):
+            return None
+        return int(key)
 
     def issue_up_to(self, target: int, step: int) -> int:
         """Issues groups until `target` have been issued in all; returns how many now."""
         count = max(0, target - self.num_issued)
         if count:
-            groups = [self.group(n, step) for n in range(self.num_issued, target)]
+            for n in range(self.num_issued, target):
+                if n not in self._chosen:
+                    self._chosen[n] = self.curriculum.next_prompt(step)
+            groups = [self.group(n, self._chosen[n], step) for n in range(self.num_issued, target)]
             self._tq.put_groups(self._template.partition, groups)
+            self._chosen.clear()
             self.num_issued = target
         return count
+
+    def observe(self, group: common_pb2.PromptGroup, step: int, valid_rewards: list[float]) -> None:
+        """The trainer judged a group at `step`: the curriculum learns about its prompt."""
+        index = self.prompt_index(group)
+        if index is not None:
+            self.curriculum.observe(index, step, valid_rewards)
+
+    def forget(self, groups: list[common_pb2.PromptGroup]) -> None:
+        """Groups that will never be judged (evicted, or consumed as stale)."""
+        for group in groups:
+            index = self.prompt_index(group)
+            if index is not None:
+                self.curriculum.forget(index)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_issued": self.num_issued, "curriculum": self.curriculum.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_issued = int(state["num_issued"])
+        self._chosen.clear()
+        self.curriculum.load_state_dict(state["curriculum"])

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from relayrl.core.outage import Outage
+from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupWithTrajectories
 from relayrl.tq.queue import TQUnavailableError
@@ -40,6 +41,7 @@ from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.feeder import PromptFeeder
 from relayrl.trainer.metrics import StepMetrics, TrainerMetrics
 from relayrl.trainer.modes import TrainerMode
+from relayrl.trainer.progress import ProgressWatch
 from relayrl.trainer.publish import WeightPublisher
 from relayrl.trainer.replay import ReplaySampler, SamplingStopped, Verdict
 from relayrl.trainer.rollout_link import GatewayLink
@@ -110,6 +112,7 @@ class Leader:
         *,
         feeder: PromptFeeder | None,
         sampler: ReplaySampler,
+        watch: ProgressWatch,
         gateway: GatewayLink | None,
     ) -> None:
         self.config = config
@@ -118,6 +121,7 @@ class Leader:
         self.partition = config.data.partition
         self.feeder = feeder
         self.sampler = sampler
+        self.watch = watch
         self.refill_groups = 0
         self.gateway = gateway
         self._announced_at = 0.0
@@ -127,10 +131,11 @@ class Leader:
         outage = Outage(f"the TransferQueue ({what})", self.config.outage_timeout_s)
         return outage.call(function, (TQUnavailableError,))
 
-    def resume(self, step: int, num_issued: int, refill_groups: int) -> None:
+    def resume(self, step: int, feeder_state: dict[str, Any] | None, refill_groups: int) -> None:
         """Rewinds the queue to the restored step: the groups consumed at `step` or later (by
         a run whose weights after them are lost) go back to scored; at step 0, with no
-        checkpoint, that is every consumed group."""
+        checkpoint, that is every consumed group. The feeder continues from its checkpointed
+        state (None: from the start) and adopts the groups issued after it."""
         self.refill_groups = refill_groups
         returned = self._through_outage(
             "resume", lambda: self.tq.reset_consumption(self.partition, after_step=step - 1)
@@ -139,10 +144,11 @@ class Leader:
             logger.info("resume at step %d: %d groups back to scored", step, len(returned))
         if self.feeder is not None:
             feeder = self.feeder
-            feeder.num_issued = num_issued
-            skipped = self._through_outage("resume", feeder.skip_existing)
-            if skipped:
-                logger.info("resume: %d groups were issued after the checkpoint", skipped)
+            if feeder_state is not None:
+                feeder.load_state_dict(feeder_state)
+            adopted = self._through_outage("resume", feeder.adopt_existing)
+            if adopted:
+                logger.info("resume: %d groups were issued after the checkpoint", adopted)
 
     def feed(self, step: int) -> None:
         """Issues the prompts step `step` needs (its batch, eta steps ahead, and the refills
@@ -185,19 +191,30 @@ class Leader:
         self.refill_groups += count
         self.feed(step)
 
-    def judge(self, group: GroupWithTrajectories) -> Verdict:
+    def judge(self, group: GroupWithTrajectories, step: int) -> Verdict:
+        """no_valid: every member failed as infrastructure; no_signal: fewer than two valid
+        members (nothing to compare, whatever the filter), or, with the filter on, equal
+        rewards; keep otherwise. The feeder's curriculum learns the group's outcome."""
         valid = [is_valid(t) for t in group.trajectories]
+        if self.feeder is not None:
+            rewards = [t.reward.score for t, v in zip(group.trajectories, valid, strict=True) if v]
+            self.feeder.observe(group.group, step, rewards)
+        if not any(valid):
+            return "no_valid"
+        if sum(valid) < 2:
+            return "no_signal"
         if not self.config.algorithm.dapo_filter:
-            return "keep" if any(valid) else "no_valid"
+            return "keep"
         rewards = GroupRewards(
             group.group.uid,
             [t.reward.score for t in group.trajectories],
             [not v for v in valid],
         )
-        result = dapo_filter([rewards])
-        if result.kept:
-            return "keep"
-        return "no_valid" if result.failed else "no_signal"
+        return "keep" if dapo_filter([rewards]).kept else "no_signal"
+
+    def _discard(self, groups: list[common_pb2.PromptGroup]) -> None:
+        if self.feeder is not None:
+            self.feeder.forget(groups)
 
     def sample(
         self, step: int, stop: Callable[[], bool]
@@ -205,16 +222,40 @@ class Leader:
         sample = self.sampler.sample(
             step,
             self.config.algorithm.train_batch_groups,
-            self.judge,
+            lambda group: self.judge(group, step),
             lambda count: self._refill(step, count),
             stop,
             on_wait=lambda: self._on_wait(step),
+            discard=self._discard,
         )
         groups = scored_groups(sample.kept, step, self.config.model.max_seq_len)
         metrics = StepMetrics(step=step)
         metrics.groups = {"keep": len(sample.kept), **sample.rejected}
         if sample.num_evicted:
             metrics.groups["evicted"] = sample.num_evicted
+        if self.feeder is not None:
+            curriculum = self.feeder.curriculum
+            metrics.values["epoch"] = float(curriculum.epoch)
+            metrics.set_aside = [
+                {"prompt": a.index, "epoch": a.epoch, "epochs": a.epochs, "reason": a.reason}
+                for a in curriculum.take_set_aside()
+            ]
+        tally = self.watch.step_tally()
+        metrics.no_signal, metrics.failures = tally.no_signal, tally.failures
+        metrics.generated_tokens = tally.tokens
+        metrics.values["rollouts"] = float(tally.rollouts)
+        metrics.values["failed_rollouts"] = float(tally.failed_rollouts)
+        if sample.budget_spent:
+            wanted = self.config.algorithm.train_batch_groups
+            metrics.values["filter_budget_spent"] = 1.0
+            logger.warning(
+                "step %d: the filter's budget is spent (%d groups consumed for %d): training on "
+                "the %d kept",
+                step,
+                sample.num_consumed,
+                wanted,
+                len(sample.kept),
+            )
         metrics.staleness = [step - g.prompt_step + 1 for g in groups]
         # The simulator's staleness, i.e. policy lag (docs/staleness.md#definitions): versions
         # between the one that launched a group's oldest token and the one this step trains;
@@ -279,9 +320,7 @@ class TrainingLoop:
         self.step = int(common.get("step", 0))
         self.status.step = self.step
         if self.leader is not None:
-            self.leader.resume(
-                self.step, int(common.get("num_issued", 0)), int(common.get("refill_groups", 0))
-            )
+            self.leader.resume(self.step, common.get("feeder"), int(common.get("refill_groups", 0)))
         # Rollout may hold versions published after this checkpoint (or, with no checkpoint,
         # after the initial weights), from weights this run has lost: put the engines back on
         # the ones it continues from, under the same version number -- a checkpoint of step k
@@ -312,7 +351,7 @@ class TrainingLoop:
         common = self._broadcast(
             {
                 "step": self.step,
-                "num_issued": leader.feeder.num_issued if leader and leader.feeder else 0,
+                "feeder": leader.feeder.state_dict() if leader and leader.feeder else None,
                 "refill_groups": leader.refill_groups if leader else 0,
                 "scheduler": self.scheduler.state_dict(),
             }
@@ -386,6 +425,7 @@ class TrainingLoop:
         result.values.update(published)
         result.phases_s["wait"] = waited_s
         if self.leader is not None:
+            self.leader.watch.step_completed()
             self._report(groups, metrics, result, start)
             if self.step < self.config.total_steps:  # rollout of the next step may start now
                 self.leader.feed(self.step)

@@ -73,6 +73,10 @@ class StepMetrics:
     trained_lengths: list[int] = field(default_factory=list)  # response tokens per row
     launched_lengths: list[int] = field(default_factory=list)  # every consumed trajectory
     groups: dict[str, int] = field(default_factory=dict)  # kept / stale / no_signal / ...
+    no_signal: dict[str, int] = field(default_factory=dict)  # why groups had no signal
+    failures: dict[str, int] = field(default_factory=dict)  # infra failure reason -> rollouts
+    generated_tokens: dict[str, int] = field(default_factory=dict)  # verdict -> tokens
+    set_aside: list[dict[str, object]] = field(default_factory=list)  # the curriculum's
     uids: list[str] = field(default_factory=list)  # the groups trained at this step
 
     def record(self) -> dict[str, object]:
@@ -85,6 +89,10 @@ class StepMetrics:
             "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
             "policy_lag_histogram": {str(k): v for k, v in sorted(Tally(self.policy_lag).items())},
             "groups": self.groups,
+            "no_signal": self.no_signal,
+            "failures": self.failures,
+            "generated_tokens": self.generated_tokens,
+            "set_aside": self.set_aside,
             "uids": self.uids,
         }
 

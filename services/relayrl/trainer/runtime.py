@@ -116,8 +116,10 @@ def build_policy(config: TrainerConfig) -> Policy:
     from relayrl.trainer.model import build_model, init_parallel, load_hf_dir
 
     m, optim = config.model, config.optim
-    # every rank waits in a collective while rank 0 waits for data: give it the data wait
-    layout = init_parallel(m.tensor_parallel, m.seed, timeout_s=config.data.wait_timeout_s + 600)
+    # every rank waits in a collective while rank 0 waits for data, which its stop rules bound
+    layout = init_parallel(
+        m.tensor_parallel, m.seed, timeout_s=config.progress.collective_timeout_s
+    )
     if layout.world_size != m.tensor_parallel * m.data_parallel:
         raise ValueError(
             f"world size {layout.world_size} != model.tensor_parallel ({m.tensor_parallel}) x "

@@ -215,7 +215,7 @@ def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
     from relayrl.core.outage import OutageTimeout
     from relayrl.tq.errors import TQError
     from relayrl.trainer.loop import Control, State, Status
-    from relayrl.trainer.replay import StepTimeout
+    from relayrl.trainer.progress import EXIT_NO_PROGRESS, NoProgress
 
     rank = int(os.environ.get("RANK", "0"))
     control, status = Control(), Status()
@@ -235,7 +235,10 @@ def _serve_rank(config: TrainerConfig, ready_file: Path | None) -> int:
             status=status,
         )
         return _train(loop, front, ready_file, rank)
-    except (StepTimeout, OutageTimeout, ValueError, TQError, OSError) as exc:  # one line
+    except NoProgress as exc:  # the watch logged the cause; a restart would wait again
+        status.state, status.error = State.FAILED, str(exc)
+        return EXIT_NO_PROGRESS
+    except (OutageTimeout, ValueError, TQError, OSError) as exc:  # one line
         status.state, status.error = State.FAILED, str(exc)
         logger.error("%s", exc)
         return EXIT_FAILED
@@ -281,6 +284,8 @@ class _RankZeroFront:
         self.leader = config.build_leader(tq, mode)
 
     def close(self) -> None:
+        if self.leader is not None:
+            self.leader.watch.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.service is not None:

@@ -173,9 +173,9 @@ def trainer_config(redis: RedisServer, model_dir: Path, tmp_path: Path, **over) 
         "data": {
             "prompts_file": str(write_prompts(tmp_path / "prompts.jsonl")),
             "samples_per_prompt": 4,
-            "wait_timeout_s": 120,
             "poll_interval_s": 0.05,
         },
+        "progress": {"stall_min_s": 120},
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval_steps": 1, "keep": 2},
         "metrics_log": str(tmp_path / "steps.jsonl"),
         "total_steps": 4,

@@ -190,3 +190,29 @@ def test_data_parallel_two_starts_its_second_rank_and_leaves_nothing_behind(
     psutil.wait_procs(children, timeout=10)
     assert not any(c.is_running() for c in children)
     assert len(steps_logged(tmp_path / "steps.jsonl")) == 2
+
+
+def test_a_trainer_whose_every_rollout_fails_exits_3_with_the_cause(
+    redis_server, tq, model_dir, tmp_path
+) -> None:
+    """The infrastructure stop rule, in the real process: a restart would wait for the same
+    thing, so the exit code (3) tells a supervisor not to restart it."""
+    progress = {"infra_window": 24, "infra_grace_s": 2, "report_interval_s": 1}
+    progress["log"] = str(tmp_path / "progress.jsonl")
+    config = trainer_config(redis_server, model_dir, tmp_path, progress=progress)
+    emulator = RolloutEmulator(tq, reward=lambda uid, i, response: None).start()
+    trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t").start(timeout_s=120)
+    try:
+        assert wait_exit(trainer, 120) == 3, trainer.log()
+    finally:
+        emulator.stop()
+        trainer.stop()
+    from relayrl.trainer.progress import ProgressLog
+
+    records = ProgressLog(tmp_path / "progress.jsonl").read_all()
+    assert records[-1].kind == "stopped"
+    assert records[-1].cause.startswith("24 of the last 24 rollouts failed as infrastructure")
+    assert "rollout failed (no reason given)" in records[-1].cause
+    assert any(r.kind == "waiting" and r.failed_rollouts for r in records[:-1])
+    assert records[-1].line() in trainer.log()
+    assert steps_logged(tmp_path / "steps.jsonl") == []

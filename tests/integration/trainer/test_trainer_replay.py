@@ -11,9 +11,12 @@ import pytest
 
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
+from relayrl.tq.queue import TQUnavailableError
 from relayrl.tq.server import RedisServer
+from relayrl.trainer.curriculum import Curriculum, CurriculumSettings
 from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, PromptFileError, load_prompts
-from relayrl.trainer.replay import ReplaySampler, StepTimeout
+from relayrl.trainer.progress import NoProgress, ProgressSettings, ProgressWatch
+from relayrl.trainer.replay import ReplaySampler
 from relayrl_testkit.helpers.trainer import claim, put_group, scored_group
 
 
@@ -21,17 +24,22 @@ def keep_all(group) -> str:
     return "keep"
 
 
-def sampler(tq: TransferQueue, policy: str = "drop", threshold: int = 2, **kw) -> ReplaySampler:
+def watch(stall_s: float = 30.0) -> ProgressWatch:
     clock = iter(range(1_000_000))  # a fake clock: every reading is one second later
+    settings = ProgressSettings(stall_min_s=stall_s, report_interval_s=5)
+    return ProgressWatch(settings, clock=lambda: float(next(clock)))
+
+
+def sampler(tq: TransferQueue, policy: str = "drop", threshold: int = 2, **kw) -> ReplaySampler:
     return ReplaySampler(
         tq,
         "train",
         policy=policy,
         threshold=threshold,
         poll_interval_s=0.0,
-        wait_timeout_s=kw.pop("wait_timeout_s", 30.0),
+        watch=watch(kw.pop("stall_s", 30.0)),
         refill_per_filtered=kw.pop("refill_per_filtered", 1),
-        clock=lambda: float(next(clock)),
+        filter_budget=kw.pop("filter_budget", None),
         sleep=lambda s: None,
     )
 
@@ -64,10 +72,10 @@ def test_staleness_is_step_minus_prompt_step_plus_one(tq: TransferQueue) -> None
 def test_wait_blocks_while_an_inflight_group_reaches_the_threshold(tq: TransferQueue) -> None:
     scored_group(tq, "ready", [1.0, 0.0], prompt_step=2)
     put_group(tq, "slow", n=2, prompt_step=1)  # pending; at step 2, threshold 2: staleness 2
-    s = sampler(tq, "wait", 2, wait_timeout_s=5)
+    s = sampler(tq, "wait", 2, stall_s=5)
     assert s.blocked(2)  # >= threshold: blocks (wait uses >=, not >)
     assert not s.blocked(1)  # staleness 1 < 2
-    with pytest.raises(StepTimeout, match="in-flight group"):
+    with pytest.raises(NoProgress, match=r"no step completed .* 0 of 1 groups"):
         s.sample(2, 1, keep_all, lambda n: None)
     # nothing was consumed or dropped while blocked
     from relayrl.proto.common.v1 import common_pb2
@@ -86,7 +94,7 @@ def test_wait_takes_the_group_once_it_finished(tq: TransferQueue) -> None:
 def test_running_groups_are_never_evicted(tq: TransferQueue) -> None:
     put_group(tq, "inflight", n=2, prompt_step=0)
     claim(tq, "inflight")
-    assert sampler(tq, "drop", 1).evict_stale(5) == []
+    assert sampler(tq, "drop", 1).evict_stale(5) == []  # nothing finished or scored
     assert tq.counts("train").groups[GroupStatus.RUNNING] == 1
 
 
@@ -127,8 +135,8 @@ def test_a_retried_step_gets_the_same_groups(tq: TransferQueue) -> None:
 
 
 def test_waiting_for_data_ends_with_a_clear_error(tq: TransferQueue) -> None:
-    with pytest.raises(StepTimeout, match=r"is rollout .* running"):
-        sampler(tq, wait_timeout_s=3).sample(0, 1, keep_all, lambda n: None)
+    with pytest.raises(NoProgress, match=r"no scored group arrived: is rollout .* running"):
+        sampler(tq, stall_s=3).sample(0, 1, keep_all, lambda n: None)
 
 
 # -- the prompt feeder -----------------------------------------------------------------------
@@ -144,33 +152,58 @@ def prompts_file(tmp_path: Path, n: int = 5) -> Path:
     return path
 
 
-def feeder(tq: TransferQueue, tmp_path: Path, num_issued: int = 0) -> PromptFeeder:
+def feeder(tq: TransferQueue, tmp_path: Path, **settings) -> PromptFeeder:
     template = GroupTemplate("train", "run1", 2, 16, 1.0, "")
-    return PromptFeeder(
-        tq, load_prompts(prompts_file(tmp_path)), template, seed=7, num_issued=num_issued
-    )
+    records = load_prompts(prompts_file(tmp_path))
+    curriculum = Curriculum(len(records), 7, CurriculumSettings(**settings))
+    return PromptFeeder(tq, records, template, curriculum)
+
+
+def truths(tq: TransferQueue, f: PromptFeeder, ns: range) -> list[str]:
+    groups = tq.get_groups("train", [f.uid(n) for n in ns], with_trajectories=False)
+    return [g.group.ground_truth for g in groups]
 
 
 def test_feeder_issues_in_a_seeded_order_and_covers_every_prompt(tq, tmp_path) -> None:
     f = feeder(tq, tmp_path)
     assert f.issue_up_to(5, step=0) == 5
-    groups = tq.get_groups("train", [f.uid(n) for n in range(5)], with_trajectories=False)
-    truths = sorted(int(g.group.ground_truth) for g in groups)
-    assert truths == [1, 2, 3, 4, 5]  # one epoch = every prompt once
+    issued = truths(tq, f, range(5))
+    assert sorted(int(t) for t in issued) == [1, 2, 3, 4, 5]  # one epoch = every prompt once
     assert f.issue_up_to(5, step=0) == 0  # already there: nothing new
-    other = feeder(tq, tmp_path)
-    assert [other.group(n, 0).ground_truth for n in range(5)] == [
-        g.group.ground_truth for g in groups
-    ]
+    groups = tq.get_groups("train", [f.uid(n) for n in range(5)], with_trajectories=False)
+    assert [f.prompt_index(g.group) for g in groups] == [int(t) - 1 for t in issued]
+    other = feeder(tq, tmp_path)  # the same seed chooses the same prompts
+    assert [other.curriculum.next_prompt(0) for _ in range(5)] == [int(t) - 1 for t in issued]
 
 
-def test_feeder_resume_skips_groups_issued_after_the_checkpoint(tq, tmp_path) -> None:
+def test_feeder_resume_adopts_groups_issued_after_the_checkpoint(tq, tmp_path) -> None:
     f = feeder(tq, tmp_path)
+    f.issue_up_to(1, step=0)
+    saved = json.loads(json.dumps(f.state_dict()))  # the checkpoint saw only one
     f.issue_up_to(3, step=0)
-    resumed = feeder(tq, tmp_path, num_issued=1)  # the checkpoint saw only one
-    assert resumed.skip_existing() == 2
-    assert resumed.issue_up_to(4, step=1) == 1  # uid run1-000000003, at the new step
-    assert tq.counts("train").groups[GroupStatus.PENDING] == 4
+    resumed = feeder(tq, tmp_path)
+    resumed.load_state_dict(saved)
+    assert resumed.adopt_existing() == 2
+    assert resumed.issue_up_to(5, step=1) == 2  # the two prompts of the epoch left
+    assert sorted(int(t) for t in truths(tq, resumed, range(5))) == [1, 2, 3, 4, 5]
+    assert tq.counts("train").groups[GroupStatus.PENDING] == 5
+
+
+def test_feeder_replays_a_prompt_with_signal_and_a_failed_put_keeps_its_choice(
+    tq: TransferQueue, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    f = feeder(tq, tmp_path, replay_share=0.5)
+    f.issue_up_to(2, step=0)
+    first, second = tq.get_groups("train", [f.uid(0), f.uid(1)], with_trajectories=False)
+    f.observe(first.group, 0, [1.0, 0.0])  # signal: replayed next
+    f.observe(second.group, 0, [0.0, 0.0])
+    redis_server.kill()
+    with pytest.raises(TQUnavailableError):
+        f.issue_up_to(3, step=1)  # the prompt is chosen, the put fails
+    redis_server.start()
+    f.issue_up_to(3, step=1)  # the retry puts the prompt chosen before, not the next one
+    assert truths(tq, f, range(3))[2] == first.group.ground_truth
+    assert f.curriculum.state_dict()["num_replays"] == 1
 
 
 @pytest.mark.parametrize(
@@ -213,9 +246,34 @@ def test_sampling_waits_out_a_redis_restart(tq: TransferQueue, redis_server: Red
         restarted.append(seconds)
 
     sampler = ReplaySampler(
-        tq, "train", policy="drop", threshold=2, poll_interval_s=0.0, wait_timeout_s=30.0,
-        sleep=sleep,
+        tq, "train", policy="drop", threshold=2, poll_interval_s=0.0, watch=watch(), sleep=sleep,
     )  # fmt: skip
     sample = sampler.sample(0, 1, keep_all, lambda n: None)
     assert [g.group.uid for g in sample.kept] == ["survivor"]
     assert restarted == [0.5]  # one backoff, then it answered
+
+
+def no_signal_unless_mixed(group) -> str:
+    rewards = {t.reward.score for t in group.trajectories}
+    return "keep" if len(rewards) > 1 else "no_signal"
+
+
+def test_a_spent_filter_budget_trains_on_what_it_kept(tq: TransferQueue) -> None:
+    for i in range(6):
+        scored_group(tq, f"flat{i}", [0.0, 0.0], prompt_step=0)
+    scored_group(tq, "mixed", [1.0, 0.0], prompt_step=1)  # consumed after the flat ones
+    refills: list[int] = []
+    s = sampler(tq, filter_budget=2.0)
+    sample = s.sample(0, 3, no_signal_unless_mixed, refills.append)  # budget: 6 groups
+    assert [g.group.uid for g in sample.kept] == ["mixed"]
+    assert sample.budget_spent and sample.num_consumed == 7
+    assert dict(sample.rejected) == {"no_signal": 6} and sum(refills) == 6
+
+
+def test_without_a_kept_group_a_spent_budget_waits_until_the_stop_rule(tq: TransferQueue) -> None:
+    for i in range(4):
+        scored_group(tq, f"flat{i}", [0.0, 0.0])
+    with pytest.raises(
+        NoProgress, match=r"the filter rejected 4 of 4 groups as without signal \(all scored 0 4\)"
+    ):
+        sampler(tq, filter_budget=1.0, stall_s=20).sample(0, 2, no_signal_unless_mixed, print)
