@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,19 @@ def _check_sources(
         )
 
 
+def _check_ground_truths(
+    records: list[Record], places: list[str], problem: Callable[[Record], str | None]
+) -> None:
+    bad = [(place, why) for record, place in zip(records, places, strict=True)
+           if (why := problem(record)) is not None]  # fmt: skip
+    if bad:
+        place, why = bad[0]
+        raise DatasetError(
+            f"{place}: {why} ({len(bad)} of {len(records)} rows); fix the ground truths or "
+            "score them with your own reward.function"
+        )
+
+
 def load_dataset(
     train_files: Sequence[Path],
     heldout_files: Sequence[Path] = (),
@@ -189,10 +202,12 @@ def load_dataset(
     heldout_fraction: float = 0.1,
     known_sources: Collection[str] | None = None,
     hold_out: bool = True,
+    ground_truth_problem: Callable[[Record], str | None] | None = None,
 ) -> Dataset:
     """Both splits of a user's dataset. DatasetError (one line) for any mistake, including a
-    data_source outside `known_sources` (when given) and a split left empty. Without
-    `hold_out` (nothing can judge a held-out answer) every row trains."""
+    data_source outside `known_sources` (when given), a row whose ground truth its scorer
+    cannot read (`ground_truth_problem(record)` says why, or None) and a split left empty.
+    Without `hold_out` (nothing can judge a held-out answer) every row trains."""
     if not train_files:
         raise DatasetError("no training files given")
     records, places = read_records(train_files)
@@ -210,8 +225,11 @@ def load_dataset(
             raise DatasetError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
         heldout = [r for r in records if is_heldout(r, heldout_fraction)]
         train = [r for r in records if not is_heldout(r, heldout_fraction)]
+    everything = records + (heldout if heldout_files else [])
     if known_sources is not None:
-        _check_sources(records + (heldout if heldout_files else []), places, known_sources)
+        _check_sources(everything, places, known_sources)
+    if ground_truth_problem is not None:
+        _check_ground_truths(everything, places, ground_truth_problem)
     for name, split in (("training", train), ("held-out", heldout)):
         if not split and (hold_out or name == "training"):
             raise DatasetError(f"the {name} split is empty; give more rows or another split")

@@ -18,6 +18,16 @@ from pydantic import Field, field_validator, model_validator
 from relayrl.core.config import StrictModel, deep_merge  # noqa: F401 (deep_merge: its old home)
 from relayrl.core.dotted import DOTTED_PATH
 from relayrl.models.config import TinyModelConfig
+from relayrl.up.defaults import (
+    MAX_LR_FACTOR,
+    PROFILES,
+    TASK_MAX_TOKENS,
+    ModelKind,
+    Profile,
+    Training,
+    lr_ceiling,
+    resolve,
+)
 
 Mode = Literal["sync", "colocate_async", "separate_async"]
 BUILTIN_TASKS = ("arith", "lookup")
@@ -194,16 +204,32 @@ class TrainSection(StrictModel):
     steps: int = Field(250, ge=1, le=1_000_000, description="Trainer steps (published versions).")
     batch_groups: int = Field(16, ge=1, le=4096, description="Prompt groups per step.")
     samples_per_prompt: int = Field(8, ge=2, le=256, description="Responses per prompt (GRPO).")
-    lr: float = Field(4e-4, gt=0.0, le=1.0, description="Adam learning rate (peak).")
-    lr_schedule: Literal["constant", "cosine"] = Field(
-        "cosine", description="constant, or cosine from lr down to min_lr over the run."
+    # null: the model's default (relayrl.up.defaults, docs/defaults.md), printed at start
+    lr: float | None = Field(None, gt=0.0, le=1.0, description="Adam learning rate (peak).")
+    lr_schedule: Literal["constant", "cosine"] | None = Field(
+        None, description="After the warm-up: constant, or cosine from lr down to min_lr."
     )
-    min_lr: float = Field(4e-5, ge=0.0, le=1.0, description="Last learning rate (cosine).")
-    max_tokens: int = Field(
-        0, ge=0, le=65_536, description="Response token budget; 0: the task's default."
+    min_lr: float | None = Field(
+        None, ge=0.0, le=1.0, description="Last learning rate (cosine); null: lr / 10."
     )
-    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
-    micro_batch_size: int = Field(16, ge=1, le=4096, description="Rows per forward pass.")
+    warmup_steps: int | None = Field(
+        None, ge=0, le=100_000, description="Linear warm-up of the learning rate, in steps."
+    )
+    clip_grad: float | None = Field(
+        None, ge=0.0, le=1e6, description="Global gradient-norm clip; 0 disables."
+    )
+    kl_coef: float | None = Field(
+        None, ge=0.0, le=100.0, description="KL penalty to the starting policy (k3); 0: none."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, le=65_536, description="Response token budget (all turns)."
+    )
+    temperature: float | None = Field(
+        None, gt=0.0, le=10.0, description="Sampling temperature of rollouts."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=4096, description="Rows per forward pass of the trainer."
+    )
     checkpoint_interval_steps: int = Field(
         10,
         ge=1,
@@ -225,8 +251,6 @@ class TrainSection(StrictModel):
             raise ValueError(f"mode sync needs eta 0 (got {eta}); use separate_async to run ahead")
         if self.mode == "colocate_async" and eta > 1:
             raise ValueError(f"mode colocate_async allows eta 0 or 1 (got {eta})")
-        if self.lr_schedule == "cosine" and self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must be <= lr ({self.lr})")
         return self
 
 
@@ -239,8 +263,11 @@ class EvalSection(StrictModel):
         le=1_000_000,
         description="Evaluate every N trainer steps; 0: only at start and end.",
     )
-    sampled: bool = Field(
-        True, description="Also report accuracy at the training temperature (one sample each)."
+    sampled: bool | None = Field(
+        None,
+        description="Also report accuracy at the training temperature (one sample each); "
+        "null: the model's default (on for the tiny model, off for a pretrained one, whose "
+        "evaluations cost minutes).",
     )
 
 
@@ -420,6 +447,20 @@ class UpConfig(StrictModel):
         return "dataset" if self.data.train_files else self.task.name
 
     @property
+    def model_kind(self) -> ModelKind:
+        return "tiny" if self.model.path is None else "pretrained"
+
+    @property
+    def training(self) -> Training:
+        """The training settings in effect: each null `train:` field from the model's
+        profile (relayrl.up.defaults)."""
+        t = self.train
+        values = t.model_dump(include=set(Profile.model_fields) | {"min_lr"})
+        values["eval_sampled"] = self.eval.sampled
+        task_budget = TASK_MAX_TOKENS.get(self.task_label)
+        return resolve(self.model_kind, values, task_budget, t.steps)
+
+    @property
     def warm_start_enabled(self) -> bool:
         enabled = self.warm_start.enabled
         return (
@@ -434,6 +475,28 @@ class UpConfig(StrictModel):
             raise ValueError(
                 f"warm_start.enabled: only the built-in tasks ({', '.join(BUILTIN_TASKS)}) have "
                 f"SFT examples, not {self.task_label}; leave it null or false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _training_fits_the_model(self) -> UpConfig:
+        """The learning rate is refused above MAX_LR_FACTOR x its kind's default; the response
+        budget must leave room for a prompt in the engine's context."""
+        lr, kind = self.train.lr, self.model_kind
+        if lr is not None and lr > lr_ceiling(kind):
+            default = PROFILES[kind].lr
+            raise ValueError(
+                f"train.lr {lr:g} is more than {MAX_LR_FACTOR:g}x the default for a {kind} "
+                f"model ({default:g}, docs/defaults.md); leave it null or lower it"
+            )
+        training = self.training
+        if training.lr_schedule == "cosine" and training.min_lr > training.lr:
+            raise ValueError(f"train.min_lr ({training.min_lr:g}) must be <= lr ({training.lr:g})")
+        if training.max_tokens >= self.engine.max_model_len:
+            raise ValueError(
+                f"train.max_tokens {training.max_tokens} leaves no room for a prompt in "
+                f"engine.max_model_len {self.engine.max_model_len}; raise engine.max_model_len "
+                "or lower train.max_tokens"
             )
         return self
 

@@ -31,14 +31,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Per task: response token budget (all turns) and the longest SFT example in tokens. Replies
-# to arith are ~6 tokens; lookup carries ~570 tokens of tool schemas and two tool turns.
-TASK_DEFAULTS: dict[str, dict[str, int]] = {
-    "arith": {"max_tokens": 24, "sft_max_seq_len": 128},
-    "lookup": {"max_tokens": 128, "sft_max_seq_len": 1024},
-}
-# The response budget of a dataset or a reasoning-gym task when train.max_tokens is 0.
-DEFAULT_MAX_TOKENS = 256
+# Per built-in task: the longest SFT example in tokens (lookup carries ~570 tokens of tool
+# schemas and two tool turns).
+SFT_MAX_SEQ_LEN: dict[str, int] = {"arith": 128, "lookup": 1024}
 
 
 class PrepareError(RuntimeError):
@@ -46,9 +41,8 @@ class PrepareError(RuntimeError):
 
 
 def max_tokens(config: UpConfig) -> int:
-    """The response token budget: train.max_tokens, else the task's default."""
-    default = TASK_DEFAULTS.get(config.task_label, {}).get("max_tokens", DEFAULT_MAX_TOKENS)
-    return config.train.max_tokens or default
+    """The response token budget: train.max_tokens, else the task's or the model's default."""
+    return config.training.max_tokens
 
 
 def sft_micro_batch_size(config: UpConfig) -> int:
@@ -58,7 +52,7 @@ def sft_micro_batch_size(config: UpConfig) -> int:
 
 
 def sft_max_seq_len(config: UpConfig) -> int:
-    return config.warm_start.max_seq_len or TASK_DEFAULTS[config.task.name]["sft_max_seq_len"]
+    return config.warm_start.max_seq_len or SFT_MAX_SEQ_LEN[config.task.name]
 
 
 @dataclass(frozen=True)

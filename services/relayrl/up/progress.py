@@ -1,10 +1,12 @@
-"""The live progress of a run: one line per trainer step.
+"""The live progress of a run: one line per trainer step, and what a waiting step has.
 
     step 12/60  reward 0.41  held-out 38.5%@10  staleness 1.3 (max 2) 312 tok/s  engine-0=v12 2m31s
+      step 13 waiting 30s: 5 of 16 groups kept; rejected no_signal 9 (all scored 0 8, ...)
 
 Read from what the services already publish: the trainer's step log (`trainer/steps.jsonl`),
-the held-out evaluations (`eval.jsonl`) and weight-sync's GetVersion (the version each replica
-holds), so the display shows what the system did, not what `relayrl up` believes it did.
+its progress records (`trainer/progress.jsonl`, relayrl.trainer.progress), the held-out
+evaluations (`eval.jsonl`) and weight-sync's GetVersion (the version each replica holds), so
+the display shows what the system did, not what `relayrl up` believes it did.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relayrl.trainer.progress import ProgressLog, ProgressRecord
 from relayrl.up.evaluate import read_records
+from relayrl.up.wiring import progress_log
 
 
 def replica_versions(
@@ -73,12 +77,21 @@ class Progress:
         self.total_steps = total_steps
         self.say = say
         self.steps = StepLog(run_dir / "trainer" / "steps.jsonl")
+        self.waits = ProgressLog(progress_log(run_dir))
+        self.stopped: ProgressRecord | None = None
+        """The trainer's `stopped` record: why the run could not progress."""
         self.completed = 0
         self.started = time.monotonic()
         self.names = {url: name for name, url in _engine_names(stack).items()}
 
     def poll(self) -> int:
-        """Prints a line per newly logged step; the number of steps completed."""
+        """Prints a line per newly logged step, and the trainer's reports while a step waits;
+        the number of steps completed."""
+        for wait in self.waits.new_records():
+            if wait.kind == "stopped":
+                self.stopped = wait
+            else:
+                self.say(f"  {wait.line()}")
         records = self.steps.new_records()
         if not records:
             return self.completed
@@ -99,7 +112,9 @@ class Progress:
         parts = [f"step {int(record['step']) + 1:>{width}}/{self.total_steps}"]
         if "reward_mean" in record:
             parts.append(f"reward {record['reward_mean']:.2f}")
-        if last_eval is not None:
+        if last_eval is not None and last_eval.get("failed"):
+            parts.append(f"held-out FAILED@{last_eval['step']}")
+        elif last_eval is not None:
             parts.append(f"held-out {last_eval['accuracy']:.1%}@{last_eval['step']}")
         if "staleness_mean" in record:
             worst = record.get("staleness_max", 0)

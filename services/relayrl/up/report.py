@@ -13,6 +13,8 @@ plot without data says so, a corrupt line is skipped and counted in the report):
     weightsync/transfers.jsonl  one record per weight-sync transfer {"version", "state",
                                  "durations_s": {boundary: s}, ...}
     reward_timing.jsonl         relayrl.up.timing, computed from the TransferQueue after the run
+    trainer/progress.jsonl      relayrl.trainer.progress records: what a step that never
+                                completed had consumed, and why the run stopped
 
 Step axes: per-step plots use the `step` of steps.jsonl (0-based: the record of step k is the
 (k+1)-th update). An eval is drawn at its `step`, the number of steps completed when it started
@@ -34,6 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from relayrl.trainer.progress import ProgressLog, ProgressRecord
 from relayrl.up.timing import REWARD_TIMING_FILE, RewardTiming, read_jsonl, read_reward_timing
 
 if TYPE_CHECKING:
@@ -43,6 +46,7 @@ RUN_FILE = "run.json"
 STEPS_FILE = "trainer/steps.jsonl"
 EVAL_FILE = "eval.jsonl"
 TRANSFERS_FILE = "weightsync/transfers.jsonl"
+PROGRESS_FILE = "trainer/progress.jsonl"
 HTML_FILE = "report.html"
 PLOT_DIR = "report"
 
@@ -82,8 +86,10 @@ class RunInputs:
     run: dict[str, Any] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)  # by step, one per step
     evals: list[dict[str, Any]] = field(default_factory=list)  # by (step, time); "accuracy" set
+    failed_evals: list[dict[str, Any]] = field(default_factory=list)  # {"kind", "step", "error"}
     transfers: list[dict[str, Any]] = field(default_factory=list)  # by version
     timings: list[RewardTiming] = field(default_factory=list)  # by step
+    progress: list[ProgressRecord] = field(default_factory=list)  # the trainer's reports
     missing: list[str] = field(default_factory=list)  # inputs absent or empty
     corrupt: dict[str, int] = field(default_factory=dict)  # input -> lines skipped
 
@@ -133,14 +139,20 @@ def load_inputs(run_dir: Path) -> RunInputs:
     inputs.steps = sorted({r["step"]: r for r in steps}.values(), key=lambda r: r["step"])
 
     def usable_eval(record: dict[str, Any]) -> bool:
+        if _integer(record.get("step")) is None:
+            return False
+        if record.get("failed") is True:
+            return True  # a failed evaluation: reported as failed, never as an accuracy
         accuracy = _eval_accuracy(record)
-        if accuracy is None or _integer(record.get("step")) is None:
+        if accuracy is None:
             return False
         record["accuracy"] = accuracy
         return True
 
     evals = _read_records(inputs, run_dir, EVAL_FILE, usable_eval)
-    inputs.evals = sorted(evals, key=lambda r: (r["step"], _number(r.get("time")) or 0.0))
+    evals = sorted(evals, key=lambda r: (r["step"], _number(r.get("time")) or 0.0))
+    inputs.evals = [r for r in evals if r.get("failed") is not True]
+    inputs.failed_evals = [r for r in evals if r.get("failed") is True]
 
     transfers = _read_records(
         inputs, run_dir, TRANSFERS_FILE, lambda r: _integer(r.get("version")) is not None
@@ -153,6 +165,7 @@ def load_inputs(run_dir: Path) -> RunInputs:
     if not timings:
         inputs.missing.append(REWARD_TIMING_FILE)
     inputs.timings = sorted({t.step: t for t in timings}.values(), key=lambda t: t.step)
+    inputs.progress = ProgressLog(run_dir / PROGRESS_FILE).read_all()
     return inputs
 
 
@@ -187,6 +200,14 @@ class KeyNumbers:
     overlap_median: float | None = None
     groups_trained: int | None = None
     groups_rejected: dict[str, int] = field(default_factory=dict)  # by trainer verdict
+    no_signal_reasons: dict[str, int] = field(default_factory=dict)  # groups, by reason
+    rollouts: int = 0  # consumed by the trainer, trained or not
+    failed_rollouts: int = 0  # of them, failed as infrastructure
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # rollouts, by reason
+    generated_tokens: int = 0  # response tokens of every consumed group
+    wasted_tokens: float | None = None  # their share in groups without signal
+    stop_cause: str | None = None  # why a stop rule ended the run
+    failed_evals: list[str] = field(default_factory=list)  # "<kind> at step <n>: <error>"
     trained_tokens: float | None = None
     trajectories_trained: int | None = None  # scored trajectories of trained groups (TQ)
     trajectories_failed: int | None = None  # put as failed (rollout infrastructure)
@@ -259,19 +280,58 @@ def _evals(evals: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _groups(steps: list[dict[str, Any]]) -> tuple[int | None, dict[str, int]]:
+def _groups_trained(steps: list[dict[str, Any]]) -> int | None:
     trained: int | None = None
-    rejected: dict[str, int] = {}
     for record in steps:
         uids, verdicts = record.get("uids"), record.get("groups")
         verdicts = verdicts if isinstance(verdicts, dict) else {}
         kept = len(uids) if isinstance(uids, list) else _integer(verdicts.get("keep"))
         if kept is not None:
             trained = (trained or 0) + kept
-        for verdict, n in verdicts.items():
-            if verdict != "keep" and (n := _integer(n)):
-                rejected[verdict] = rejected.get(verdict, 0) + n
-    return trained, rejected
+    return trained
+
+
+@dataclass
+class _Tally:
+    """What the trainer consumed: rejected groups and failed rollouts, with reasons."""
+
+    rejected: dict[str, int] = field(default_factory=dict)
+    no_signal: dict[str, int] = field(default_factory=dict)
+    rollouts: int = 0
+    failed: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)  # generated, by verdict
+
+    def add(self, rejected: object, no_signal: object, failures: object, tokens: object) -> None:
+        for into, counts in (
+            (self.rejected, rejected), (self.no_signal, no_signal), (self.failures, failures),
+        ):  # fmt: skip
+            for key, n in (counts if isinstance(counts, dict) else {}).items():
+                if key != "keep" and (n := _integer(n)):
+                    into[key] = into.get(key, 0) + n
+        for key, n in (tokens if isinstance(tokens, dict) else {}).items():
+            if n := _integer(n):
+                self.tokens[key] = self.tokens.get(key, 0) + n
+
+
+def _tally(steps: list[dict[str, Any]], progress: list[ProgressRecord]) -> _Tally:
+    """Every step's record, and the trainer's last report of a step that never completed."""
+    tally = _Tally()
+    for record in steps:
+        tally.add(
+            record.get("groups"), record.get("no_signal"), record.get("failures"),
+            record.get("generated_tokens"),
+        )  # fmt: skip
+        tally.rollouts += _integer(round(_number(record.get("rollouts")) or 0)) or 0
+        tally.failed += _integer(round(_number(record.get("failed_rollouts")) or 0)) or 0
+    done = max((r["step"] for r in steps), default=-1)
+    pending = [r for r in progress if r.step > done]
+    if pending:
+        last = pending[-1]
+        tally.add(last.rejected, last.no_signal, {last.top_failure: last.top_failure_count}, {})
+        tally.rollouts += last.rollouts
+        tally.failed += last.failed_rollouts
+    return tally
 
 
 def _duration_s(run: dict[str, Any]) -> float | None:
@@ -295,7 +355,9 @@ def key_numbers(inputs: RunInputs) -> KeyNumbers:
     committed = [t for t in inputs.transfers if t.get("state", "committed") == "committed"]
     sync_s = [v for t in committed if (v := transfer_total_s(t)) is not None]
     tokens = [v for r in steps if (v := _number(r.get("trained_tokens"))) is not None]
-    groups_trained, groups_rejected = _groups(steps)
+    groups_trained = _groups_trained(steps)
+    tally = _tally(steps, inputs.progress)
+    stopped = [r for r in inputs.progress if r.kind == "stopped"]
     timings = inputs.timings
     return KeyNumbers(
         num_steps=len(steps),
@@ -316,7 +378,22 @@ def key_numbers(inputs: RunInputs) -> KeyNumbers:
         t_collect_median_s=_median([t.t_collect_s for t in timings if t.t_collect_s is not None]),
         overlap_median=_median([t.overlap_ratio for t in timings if t.overlap_ratio is not None]),
         groups_trained=groups_trained,
-        groups_rejected=groups_rejected,
+        groups_rejected=tally.rejected,
+        no_signal_reasons=tally.no_signal,
+        rollouts=tally.rollouts,
+        failed_rollouts=tally.failed,
+        failure_reasons=tally.failures,
+        generated_tokens=sum(tally.tokens.values()),
+        wasted_tokens=(
+            tally.tokens.get("no_signal", 0) / sum(tally.tokens.values())
+            if sum(tally.tokens.values())
+            else None
+        ),
+        stop_cause=stopped[-1].cause if stopped else None,
+        failed_evals=[
+            f"{r.get('kind', 'evaluation')} at step {r['step']}: {r.get('error', '')}".rstrip(": ")
+            for r in inputs.failed_evals
+        ],
         trained_tokens=sum(tokens) if tokens else None,
         trajectories_trained=sum(t.num_scored for t in timings) if timings else None,
         trajectories_failed=sum(t.num_failed for t in timings) if timings else None,
@@ -439,9 +516,52 @@ def _clauses(n: KeyNumbers, num_corrupt: int) -> list[str]:
         reward.append(f"overlap {n.overlap_median:.2f}")
     if reward:
         clauses.append("reward " + ", ".join(reward))
+    if n.failed_evals:
+        clauses.append(
+            f"{len(n.failed_evals)} held-out evaluation{'s' * (len(n.failed_evals) != 1)} "
+            f"FAILED ({'; '.join(n.failed_evals[:2])})"
+        )
+    clauses.append(_rejected_clause(n))
+    if n.wasted_tokens is not None:
+        clauses.append(
+            f"{_percent(n.wasted_tokens)} of {n.generated_tokens} generated tokens in groups "
+            "without signal"
+        )
+    clauses.append(_failed_clause(n))
+    if n.stop_cause is not None:
+        clauses.append(f"stopped: {n.stop_cause}")
     if num_corrupt:
         clauses.append(f"{num_corrupt} corrupt log line{'s' * (num_corrupt != 1)} skipped")
     return clauses
+
+
+def _by_count(counts: dict[str, int], limit: int = 3) -> str:
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    text = ", ".join(f"{key} {n}" for key, n in ranked[:limit])
+    return text + (", ..." if len(ranked) > limit else "")
+
+
+def _rejected_clause(n: KeyNumbers) -> str:
+    """Always there: how many groups the trainer rejected, and why."""
+    total = sum(n.groups_rejected.values())
+    if not total:
+        return "no group rejected"
+    parts = []
+    for verdict, count in sorted(n.groups_rejected.items(), key=lambda kv: -kv[1]):
+        reasons = n.no_signal_reasons if verdict == "no_signal" else {}
+        detail = f" ({_by_count(reasons)})" if reasons else ""
+        parts.append(f"{verdict} {count}{detail}")
+    return f"{total} group{'s' * (total != 1)} rejected: " + ", ".join(parts)
+
+
+def _failed_clause(n: KeyNumbers) -> str:
+    """Always there: how many rollouts failed as infrastructure, and the most common reasons."""
+    if not n.failed_rollouts:
+        return f"no rollout failed (of {n.rollouts})" if n.rollouts else "no rollout failed"
+    return (
+        f"{n.failed_rollouts} of {n.rollouts} rollouts failed as infrastructure "
+        f"({_by_count(n.failure_reasons, 2)})"
+    )
 
 
 def summary_text(report: Report) -> str:

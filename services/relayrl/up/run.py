@@ -3,8 +3,9 @@
     prepare    task files, the tiny model, the warm start (cached)
     start      redis-server, reward-service, engine, gateway, weight-sync (each ready in turn)
     evaluate   held-out accuracy of the warm start (version 0)
-    train      the trainer, supervised with the rest; progress every step, held-out
-               accuracy every `eval.interval_steps`
+    train      the trainer, supervised with the rest; progress every step (and every 30 s
+               of a step that waits), held-out accuracy after the first update (version 1)
+               and every `eval.interval_steps`; a stop rule ends the run with exit code 3
     finish     final held-out accuracy, reward timing from the TransferQueue, report.html,
                the summary paragraph; everything stopped
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from relayrl.trainer.progress import EXIT_NO_PROGRESS as TRAINER_NO_PROGRESS
 from relayrl.up.config import UpConfig
 from relayrl.up.evaluate import EvalRecord, Evaluator, append_record, read_records
 from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
@@ -38,6 +40,9 @@ from relayrl.up.workload import Workload, load_workload
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+EXIT_NO_PROGRESS = 3  # a stop rule fired (relayrl.trainer.progress): the cause is one line
+EVAL_ATTEMPTS = 2
+EVAL_RETRY_S = 10.0
 
 
 class Interrupted(Exception):
@@ -158,10 +163,13 @@ class Run:
                 eta=c.train.effective_eta,
                 steps=c.train.steps,
                 warm_started=c.warm_start_enabled,
+                model_kind=c.model_kind,
+                training=c.training.model_dump(mode="json"),
                 started=started,
                 finished=None,
                 state="preparing",
             )
+        self.say(c.training.describe())
         workload = self.workload or load_workload(c)
         files = RunFiles.in_dir(self.run_dir / "data")
         if not (self.resume and files.prompts.exists()):
@@ -180,13 +188,14 @@ class Run:
                 files.heldout,
                 warm,
                 max_tokens=max_tokens(c),
-                temperature=c.train.temperature,
-                sampled=c.eval.sampled,
+                temperature=c.training.temperature,
+                sampled=c.training.eval_sampled,
                 engine_token=operator_identity(self.run_dir).token,
+                responses_dir=self.run_dir / "eval",
             )
         else:
             self.say("  held-out evaluation: off (the agent's environment scores every answer)")
-        if not any(r.get("kind") == "warm_start" for r in read_records(self.eval_log)):
+        if not self._evaluated("warm_start"):
             self._evaluate("warm_start", 0)
         self.stack.start(("trainer",), say=self.say)
         self.stack.supervise()
@@ -197,7 +206,8 @@ class Run:
             self._update_state(training_finished=time.time())
             self._evaluate("final", c.train.steps)
         self._shutdown(outcome)
-        return {"completed": EXIT_OK, "stopped": EXIT_INTERRUPTED}.get(outcome, EXIT_FAILED)
+        exits = {"completed": EXIT_OK, "stopped": EXIT_INTERRUPTED, "no_progress": EXIT_NO_PROGRESS}
+        return exits.get(outcome, EXIT_FAILED)
 
     def _train(self) -> str:
         """Watches the trainer until it completes, the run is stopped, or a child gives up."""
@@ -207,6 +217,8 @@ class Run:
         trainer = self.stack.children["trainer"]
         interval = c.eval.interval_steps
         next_eval = interval if interval else None
+        # version 1 is evaluated at once: a policy broken by its first update shows there
+        first_update = c.train.steps > 1 and not self._evaluated("first_update")
         while True:
             if self.signals.stop.wait(1.0):
                 return "stopped"
@@ -220,31 +232,68 @@ class Run:
                 progress.poll()
                 self._join_eval()
                 return "completed"
+            if not trainer.alive() and trainer.exit_code() == TRAINER_NO_PROGRESS:
+                progress.poll()
+                cause = progress.stopped.line() if progress.stopped else "no progress"
+                self.say(f"relayrl up: {cause} (see {self.run_dir / 'logs' / 'trainer.log'})")
+                self._update_state(error=cause)
+                return "no_progress"
             evaluating = self._eval_thread is not None and self._eval_thread.is_alive()
-            if next_eval is not None and next_eval <= step < c.train.steps and not evaluating:
-                self._eval_thread = threading.Thread(
-                    target=self._evaluate, args=("periodic", step), daemon=True
-                )
-                self._eval_thread.start()
+            if evaluating or not 1 <= step < c.train.steps:
+                continue
+            if first_update:
+                self._start_eval("first_update", step)
+                first_update = False
+            elif next_eval is not None and next_eval <= step:
+                self._start_eval("periodic", step)
                 next_eval = (step // interval + 1) * interval
 
+    def _evaluated(self, kind: str) -> bool:
+        """Whether this run (before a resume, too) has a good evaluation of `kind`."""
+        return any(
+            r.get("kind") == kind and not r.get("failed") for r in read_records(self.eval_log)
+        )
+
+    def _start_eval(self, kind: str, step: int) -> None:
+        """An evaluation beside training (it talks to the engine alongside rollouts)."""
+        self._eval_thread = threading.Thread(target=self._evaluate, args=(kind, step), daemon=True)
+        self._eval_thread.start()
+
     def _join_eval(self) -> None:
-        if self._eval_thread is not None:
-            self._eval_thread.join(timeout=300)
+        if self._eval_thread is not None:  # bounded: each of its requests has a deadline
+            self._eval_thread.join()
 
     def _evaluate(self, kind: str, step: int) -> EvalRecord | None:
+        """One evaluation, tried EVAL_ATTEMPTS times; a failure is recorded and said as such
+        (never shown as the last good accuracy)."""
         assert self.stack is not None
         if self.evaluator is None:
             return None
-        try:
-            # The evaluation talks to the engine itself: only once the gateway would route to
-            # it (it holds the committed version), not while it restarts or loads.
-            self.stack.wait_for_routing(self.config.supervision.start_timeout_s)
-            record = self.evaluator.run(self.stack.engine_url, kind, step)
-        except Exception as exc:  # an engine restarting: the next evaluation will tell
-            if isinstance(exc, ExceptionGroup):
-                exc = exc.exceptions[0]
-            self.say(f"  held-out evaluation ({kind}) failed: {exc}")
+        started = time.monotonic()
+        label = kind.replace("_", " ")
+        if kind == "warm_start" and not self.config.warm_start_enabled:
+            label = "start"  # version 0 is the model as given
+        error = ""
+        for attempt in range(1, EVAL_ATTEMPTS + 1):
+            try:
+                # The evaluation talks to the engine itself: only once the gateway would route
+                # to it (it holds the committed version), not while it restarts or loads.
+                self.stack.wait_for_routing(self.config.supervision.start_timeout_s)
+                record = self.evaluator.run(self.stack.engine_url, kind, step)
+                break
+            except Exception as exc:  # an engine restarting, a deadline: try once more
+                if isinstance(exc, ExceptionGroup):
+                    exc = exc.exceptions[0]
+                error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                if attempt < EVAL_ATTEMPTS:
+                    self.say(f"  held-out evaluation ({label}) failed ({error}); retrying")
+                    time.sleep(EVAL_RETRY_S)
+        else:
+            append_record(
+                self.eval_log,
+                EvalRecord.failure(kind, step, error, time.monotonic() - started),
+            )
+            self.say(f"  held-out evaluation ({label}) FAILED {EVAL_ATTEMPTS} times: {error}")
             return None
         append_record(self.eval_log, record)
         sampled = (
@@ -252,9 +301,6 @@ class Run:
             if record.sampled_accuracy is not None
             else ""
         )
-        label = kind.replace("_", " ")
-        if kind == "warm_start" and not self.config.warm_start_enabled:
-            label = "start"  # version 0 is the model as given
         self.say(
             f"  held-out accuracy ({label}, version {record.version}): "
             f"{record.accuracy:.1%} greedy{sampled} on {record.n} questions "

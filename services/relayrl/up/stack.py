@@ -40,6 +40,7 @@ from relayrl.engine.process import EngineProcess
 from relayrl.stack import SERVICES, StackConfig
 from relayrl.stack.local import LocalPorts
 from relayrl.tq.server import RedisServer
+from relayrl.trainer.progress import EXIT_NO_PROGRESS
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import RunFiles
 from relayrl.up.secrets import (
@@ -492,8 +493,8 @@ class Stack:
                 if child is None or child.pid is None or child.alive():
                     continue
                 code = child.exit_code()
-                if name == "trainer" and code == 0:
-                    continue  # finished: the run loop notices
+                if name == "trainer" and code in (0, EXIT_NO_PROGRESS):
+                    continue  # finished, or a stop rule fired: the run loop notices
                 if self._stopping.is_set():
                     return
                 self._record(Event(time.time(), name, "exited", f"code {code}"))

@@ -60,11 +60,16 @@ def up_wiring(
     )
 
 
+def progress_log(run_dir: Path) -> Path:
+    """Where the trainer writes its progress records (relayrl.trainer.progress)."""
+    return run_dir / "trainer" / "progress.jsonl"
+
+
 def up_own_settings(
     config: UpConfig, run_dir: Path, prompts_file: Path, ports: LocalPorts
 ) -> dict[str, dict[str, Any]]:
     """What each service of a local run sets for itself (nothing another service reads)."""
-    train = config.train
+    train, training = config.train, config.training
     reward = up_reward_settings(config)
     if config.security.authenticate:  # the operator (relayrl up) is the reward API's tenant
         identities = run_identities(run_dir)
@@ -96,18 +101,24 @@ def up_own_settings(
         },
         "trainer": {
             "model": {"seed": train.seed, "max_seq_len": config.engine.max_model_len},
-            "optim": {"lr": train.lr, "schedule": train.lr_schedule, "min_lr": train.min_lr},
+            "optim": {
+                "lr": training.lr,
+                "schedule": training.lr_schedule,
+                "min_lr": training.min_lr,
+                "warmup_updates": training.warmup_steps,
+                "clip_grad": training.clip_grad,
+            },
             "algorithm": {
                 "mini_batch_groups": train.batch_groups,
-                "micro_batch_size": train.micro_batch_size,
-                "temperature": train.temperature,
+                "micro_batch_size": training.micro_batch_size,
+                "temperature": training.temperature,
+                "loss": {"kl_coef": training.kl_coef},
             },
             "data": {
                 "prompts_file": str(prompts_file),
                 "shuffle_seed": train.seed,
                 "run_id": run_dir.name,
                 "poll_interval_s": 0.05,
-                "wait_timeout_s": 600,
             },
             "checkpoint": {
                 "dir": str(run_dir / "trainer" / "checkpoints"),
@@ -116,6 +127,7 @@ def up_own_settings(
             },
             "publish": {"wait_for_commit": True},
             "gateway": {"default_timeout_s": 30},
+            "progress": {"log": str(progress_log(run_dir))},
             "total_steps": train.steps,
             "metrics_log": str(run_dir / "trainer" / "steps.jsonl"),
         },

@@ -94,6 +94,28 @@ class Judge:
         extra = [self._reasoning_gym_source] if self._reasoning_gym_source else []
         return sorted({*RULE_SCORERS, *self._function_sources, *extra})
 
+    def ground_truth_problem(self, record: Mapping[str, Any]) -> str | None:
+        """Why the rule scorer of a row's data_source cannot read its ground truth; None when
+        it can, or when another scorer (the user's function, reasoning-gym, the agent's
+        environment) judges the row."""
+        from relayrl.reward.items import InvalidItem, RewardItem
+        from relayrl.reward.managers.rules import RULE_SCORERS
+
+        source = str(record.get("data_source", ""))
+        scorer = RULE_SCORERS.get(source)
+        if scorer is None or self.env or self._by_function(source):
+            return None
+        item = RewardItem(
+            item_id="check", data_source=source, response="",
+            ground_truth=str(record.get("ground_truth", "")),
+        )  # fmt: skip
+        try:
+            scorer(item)
+        except InvalidItem as exc:
+            why = str(exc).removeprefix("item 'check': ")
+            return f"the {source} rule cannot score this row: {why}"
+        return None
+
     def correct(self, data_source: str, response: str, ground_truth: str) -> bool:
         from relayrl.reward.items import RewardItem, Status, Verdict
         from relayrl.reward.managers.rules import RULE_SCORERS
@@ -210,6 +232,7 @@ def _dataset_workload(config: UpConfig, judge: Judge) -> Workload:
         dataset = load_dataset(
             data.train_files, data.heldout_files, heldout_fraction=data.heldout_fraction,
             known_sources=judge.known_sources(), hold_out=not judge.env,
+            ground_truth_problem=judge.ground_truth_problem,
         )  # fmt: skip
     except DatasetError as exc:
         raise WorkloadError(str(exc)) from None

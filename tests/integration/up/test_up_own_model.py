@@ -1,9 +1,11 @@
 """`relayrl up` on a user's own model, data and reward, as a user runs it: SmolLM2-135M-Instruct (a
 real pretrained model, imported from its GGUF file) trained for a few GRPO steps on a
 verl-format dataset the test writes, rewarded by the user's own function, through the real
-stack (redis-server, the four services, a vLLM engine); then a reasoning-gym task on the tiny
-model. And every input mistake is one line and
-exit code 2 before anything starts."""
+stack (redis-server, the four services, a vLLM engine), with every training setting at the
+pretrained model's defaults (docs/defaults.md: learning rate, temperature, response budget,
+the filter and its budget): only steps, batch sizes and the dataset are shrunk. Then a
+reasoning-gym task on the tiny model. And every input mistake is one line and exit code 2
+before anything starts."""
 
 from __future__ import annotations
 
@@ -24,49 +26,38 @@ from relayrl_testkit.helpers.up import (
     sharing_cache,
     steps_logged,
 )
+from relayrl_testkit.word_problems import generate
 
 pytestmark = pytest.mark.slow
 
-# Small enough for SmolLM2 on two shared cores: one trainer step is a few seconds.
+# The user's defaults; shrunk: steps, groups per step, samples per group, held-out questions.
 OWN_MODEL_RUN = {
     "train": {
         "steps": 2,
         "batch_groups": 1,
-        "samples_per_prompt": 2,
-        "max_tokens": 24,
-        "micro_batch_size": 2,
+        "samples_per_prompt": 4,
         "checkpoint_interval_steps": 1,
-        "lr": 1e-5,
-        "min_lr": 1e-6,
     },
     "data": {"max_heldout": 4},
-    "eval": {"interval_steps": 0, "sampled": False},
-    "engine": {"max_model_len": 512, "max_num_seqs": 8},
-    "services": {"trainer": {"algorithm": {"dapo_filter": False}}},
+    "eval": {"interval_steps": 0},
+    "engine": {"max_num_seqs": 16},
 }
+# The user's reward function, importable from PYTHONPATH as a user's package would be: 0.25
+# or 0.75 by the parity of the reply's length (no rule scorer gives either, so the rewards show
+# that it scored the rows; two values, so that a group has signal).
+REWARDS = "def parity(item):\n    return 0.25 if len(item.response) % 2 else 0.75\n"
 
 
 def verl_rows(n: int) -> list[dict]:
-    """GSM8K-style rows in verl's layout, scored by the reward-service's gsm8k rule."""
-    rows = []
-    for i in range(n):
-        a, b = 10 + i, 3 + 2 * i
-        rows.append(
-            {
-                "data_source": "openai/gsm8k",
-                "prompt": [
-                    {
-                        "role": "user",
-                        "content": f"Tom has {a} apples and buys {b} more. How many apples "
-                        "does he have? End with '#### <number>'.",
-                    }
-                ],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {"split": "train", "index": i},
-            }
-        )
-    return rows
+    """GSM8K-style rows in verl's layout (relayrl_testkit.word_problems), scored by the
+    reward-service's gsm8k rule unless a function takes them."""
+    train, heldout = generate(n - n // 4, n // 4, seed=5)
+    return train + heldout
+
+
+def write_yaml(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -104,7 +95,8 @@ def check_run(run_dir: Path, output: str, label: str, steps: int, heldout: int) 
     committed = [t["version"] for t in transfers if t["state"] == "committed"]
     assert committed == list(range(1, steps + 1)), transfers
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [e["kind"] for e in evals] == ["warm_start", "final"]
+    kinds = ["warm_start", "first_update", "final"] if steps > 1 else ["warm_start", "final"]
+    assert [e["kind"] for e in evals] == kinds, evals
     assert all(e["n"] == heldout for e in evals)
     assert evals[-1]["version"] == steps
     assert (run_dir / "report.html").stat().st_size > 0
@@ -122,10 +114,8 @@ def test_a_real_pretrained_model_trains_on_a_verl_dataset(
     rows = verl_rows(44)
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     held = write_jsonl(tmp_path / "heldout.jsonl", rows[-4:])  # also in --data: never trained
-    # The user's reward function, importable from PYTHONPATH as a user's package would be: a
-    # constant 0.25 that no rule scorer gives, so the rewards show that it scored the rows.
-    (tmp_path / "my_rewards.py").write_text("def quarter(item):\n    return 0.25\n")
-    reward = {"function": "my_rewards:quarter", "data_sources": ["openai/gsm8k"]}
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    reward = {"function": "my_rewards:parity", "data_sources": ["openai/gsm8k"]}
     up = UpProcess.start(
         runs_dir, {**OWN_MODEL_RUN, "reward": reward},
         "--model", str(smollm2), "--data", str(data), "--heldout", str(held),
@@ -133,9 +123,16 @@ def test_a_real_pretrained_model_trains_on_a_verl_dataset(
     )  # fmt: skip
     run_dir, output = finished_run(up, 1100)
     check_run(run_dir, output, "dataset", steps=2, heldout=4)
-    assert [r["reward_mean"] for r in steps_logged(run_dir)] == [0.25, 0.25]
+    for record in steps_logged(run_dir):  # scored by the function: 0.25 and 0.75 only
+        assert record["reward_mean"] not in (0.25, 0.75) and 0.25 < record["reward_mean"] < 0.75
     final = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
     assert final["accuracy"] == 1.0  # judged by the same function: a positive score
+    # the pretrained model's defaults, printed and recorded
+    assert "training settings for a pretrained model: lr 5e-06, cosine to 5e-07" in output
+    training = json.loads((run_dir / "run.json").read_text())["training"]
+    assert training["temperature"] == 0.6 and training["max_tokens"] == 256
+    trainer = yaml.safe_load((run_dir / "services/trainer/relayrl-trainer.yaml").read_text())
+    assert trainer["optim"]["lr"] == 5e-6 and trainer["algorithm"]["temperature"] == 0.6
     assert f"model: {smollm2}" in output
     assert "warm start" not in output  # a pretrained model starts from itself
     assert "held-out accuracy (start, version 0)" in output
@@ -211,6 +208,22 @@ def test_input_mistakes_are_one_line_before_anything_starts(smollm2: Path, tmp_p
     up_refuses(runs, "--agent", "no-such-agent --fast", text="'no-such-agent' is not on PATH")
     up_refuses(runs, "--agent", "python3 missing_agent.py", text="no file missing_agent.py")
     up_refuses(runs, "--agent", "'unclosed", text='--agent "\'unclosed": No closing quotation')
+    words = [dict(r, reward_model={"ground_truth": "forty-two"}) for r in verl_rows(8)]
+    up_refuses(
+        runs, "--data", write_jsonl(tmp_path / "words.jsonl", words),
+        text="words.jsonl row 1: the openai/gsm8k rule cannot score this row: ground truth "
+        "'forty-two' is not a number (8 of 8 rows)",
+    )  # fmt: skip
+    too_fast = write_yaml(tmp_path / "fast.yaml", {"train": {"lr": 4e-4}})
+    up_refuses(
+        runs, "--model", smollm2, *good, "--config", too_fast,
+        text="train.lr 0.0004 is more than 10x the default for a pretrained model (5e-06",
+    )  # fmt: skip
+    too_long = write_yaml(tmp_path / "long.yaml", {"train": {"max_tokens": 2048}})
+    up_refuses(
+        runs, *good, "--config", too_long,
+        text="train.max_tokens 2048 leaves no room for a prompt in engine.max_model_len 1024",
+    )  # fmt: skip
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()

@@ -3,6 +3,7 @@ mistakes are reported in one line."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +91,59 @@ def test_agent_flags_set_the_agent_section(capsys) -> None:
 def test_status_without_a_run_says_how_to_start_one(tmp_path: Path, capsys) -> None:
     assert main(["status", "--runs-dir", str(tmp_path)]) == 2
     assert "no relayrl run in" in capsys.readouterr().err
+
+
+# -- training defaults that follow the model (docs/defaults.md) -------------------------------
+
+
+def test_the_tiny_model_and_a_pretrained_model_get_their_own_defaults() -> None:
+    tiny = UpConfig().training
+    assert (tiny.kind, tiny.lr, tiny.min_lr, tiny.warmup_steps) == ("tiny", 4e-4, 4e-5, 0)
+    assert (tiny.temperature, tiny.max_tokens, tiny.micro_batch_size) == (1.0, 24, 16)
+    assert tiny.eval_sampled and tiny.clip_grad == 1.0 and tiny.kl_coef == 0.0
+    own = UpConfig.model_validate(
+        {"model": {"path": "/models/mine"}, "data": {"train_files": ["train.jsonl"]}}
+    ).training
+    assert (own.kind, own.lr, own.min_lr, own.warmup_steps) == ("pretrained", 5e-6, 5e-7, 5)
+    assert (own.temperature, own.max_tokens, own.micro_batch_size) == (0.6, 256, 4)
+    assert not own.eval_sampled
+    assert own.describe() == (
+        "training settings for a pretrained model: lr 5e-06 after a 5-step warm-up, cosine to "
+        "5e-07, clip_grad 1, kl_coef 0, temperature 0.6, max_tokens 256, micro_batch_size 4 "
+        "(all defaults)"
+    )
+
+
+def test_set_fields_win_and_are_named_and_a_short_run_keeps_its_steps_at_lr() -> None:
+    config = UpConfig.model_validate(
+        {
+            "model": {"path": "/models/mine"},
+            "train": {"steps": 8, "lr": 1e-5, "lr_schedule": "constant", "temperature": 1.0},
+        }
+    )
+    training = config.training
+    assert (training.lr, training.min_lr, training.temperature) == (1e-5, 1e-5, 1.0)
+    assert training.warmup_steps == 2  # 5 by default, at most a quarter of 8 steps
+    assert training.max_tokens == 24  # the built-in task's own budget comes first
+    assert training.describe().endswith("(set in the config: lr, temperature)")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"model": {"path": "/m"}, "train": {"lr": 4e-4}},
+            "train.lr 0.0004 is more than 10x the default for a pretrained model (5e-06, "
+            "docs/defaults.md); leave it null or lower it",
+        ),
+        ({"train": {"lr": 5e-3}}, "more than 10x the default for a tiny model (0.0004"),
+        ({"train": {"lr": 1e-4, "min_lr": 2e-4}}, "train.min_lr (0.0002) must be <= lr (0.0001)"),
+        (
+            {"train": {"max_tokens": 1024}},
+            "train.max_tokens 1024 leaves no room for a prompt in engine.max_model_len 1024",
+        ),
+    ],
+)
+def test_training_settings_that_do_not_fit_are_refused(config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        UpConfig.model_validate(config)

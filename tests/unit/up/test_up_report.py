@@ -183,7 +183,8 @@ def test_full_run_writes_plots_page_and_summary(run_dir: Path) -> None:
         f"Run {RUN_ID} trained arith for 60 steps in separate_async (η=1) in 11.2 min: "
         "held-out accuracy went from 31.5% (warm start) to 52.0% (+20.5 points, greedy, n=200); "
         "mean reward 0.34 → 0.61; staleness mean 1.4, max 2; 410 tokens/s; "
-        "weight sync 0.8 s per version (median); reward t_collect 0.05 s, overlap 0.93."
+        "weight sync 0.8 s per version (median); reward t_collect 0.05 s, overlap 0.93; "
+        "30 groups rejected: no_signal 30; no rollout failed."
     )
     assert "nan" not in summary.lower()
     assert summary in page  # nothing in it needs HTML escaping
@@ -205,7 +206,9 @@ def test_missing_inputs_give_no_data_plots_and_a_short_summary(tmp_path: Path) -
         assert f"{caption} — no data" in page.replace("&quot;", '"')
     assert "Missing or empty inputs" in page and "trainer/steps.jsonl" in page
     assert report.corrupt_lines == {}
-    assert summary_text(report) == "Run r-empty trained for 0 steps."
+    assert summary_text(report) == (
+        "Run r-empty trained for 0 steps: no group rejected; no rollout failed."
+    )
 
 
 def test_partial_inputs_leave_out_what_they_lack(run_dir: Path) -> None:
@@ -230,7 +233,8 @@ def test_partial_inputs_leave_out_what_they_lack(run_dir: Path) -> None:
     assert summary == (
         f"Run {RUN_ID} trained arith for 60 steps in separate_async (η=1): held-out accuracy "
         "went from 31.5% (warm start) to 45.0% (last eval at step 40, +13.5 points, greedy, "
-        "n=200); mean reward 0.34 → 0.61; staleness mean 1.4, max 2; 410 tokens/s."
+        "n=200); mean reward 0.34 → 0.61; staleness mean 1.4, max 2; 410 tokens/s; "
+        "30 groups rejected: no_signal 30; no rollout failed."
     )
     page = report.html_path.read_text()
     assert "duration <b>unfinished</b>" in page
@@ -266,3 +270,65 @@ def test_corrupt_run_json_is_counted_and_the_directory_names_the_run(run_dir: Pa
 def test_importing_the_report_does_not_import_matplotlib() -> None:
     code = "import sys, relayrl.up.report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_stopped(
+    tmp_path: Path,
+) -> None:
+    from relayrl.trainer.progress import ProgressLog, ProgressRecord
+
+    directory = tmp_path / "r-stopped"
+    directory.mkdir()
+    (directory / "run.json").write_text(json.dumps({"run_id": "r-stopped", "steps": 10}))
+    steps = []
+    for step in range(2):
+        steps.append(
+            {
+                "step": step,
+                "reward_mean": 0.2,
+                "groups": {"keep": 4, "no_signal": 6, "no_valid": 1},
+                "no_signal": {"all scored 0": 5, "all scored 1": 1},
+                "failures": {"EngineUnavailable: replica engine-0 is down": 8},
+                "rollouts": 88.0,
+                "failed_rollouts": 8.0,
+                "generated_tokens": {"keep": 3000, "no_signal": 2000},
+                "uids": [f"g{step}-{i}" for i in range(4)],
+            }
+        )
+    write_jsonl(directory / "trainer" / "steps.jsonl", steps)
+    write_jsonl(
+        directory / "eval.jsonl",
+        [
+            eval_record("warm_start", 0, 20),
+            {"kind": "periodic", "step": 1, "failed": True, "error": "TimeoutError"},
+        ],
+    )
+    log = ProgressLog(directory / "trainer" / "progress.jsonl")
+    cause = "no step completed in 10m00s (the limit is 10m00s): step 2 has 0 of 4 groups; ..."
+    log.append(
+        ProgressRecord(
+            kind="stopped", step=2, waited_s=600, wanted=4, consumed=9,
+            rejected={"no_signal": 9}, no_signal={"all scored 0": 9}, rollouts=72, cause=cause,
+        )
+    )  # fmt: skip
+    log.close()
+    report = write_report(directory)
+    n = report.numbers
+    assert n.groups_rejected == {"no_signal": 21, "no_valid": 2}
+    assert n.no_signal_reasons == {"all scored 0": 19, "all scored 1": 2}
+    assert (n.rollouts, n.failed_rollouts) == (248, 16)
+    assert n.wasted_tokens == pytest.approx(0.4) and n.generated_tokens == 10000
+    assert n.failed_evals == ["periodic at step 1: TimeoutError"]
+    assert n.stop_cause == cause
+    summary = summary_text(report)
+    assert "1 held-out evaluation FAILED (periodic at step 1: TimeoutError)" in summary
+    assert "23 groups rejected: no_signal 21 (all scored 0 19, all scored 1 2), no_valid 2" in (
+        summary
+    )
+    assert "40.0% of 10000 generated tokens in groups without signal" in summary
+    assert (
+        "16 of 248 rollouts failed as infrastructure (EngineUnavailable: replica engine-0 is "
+        "down 16)" in summary
+    )
+    assert summary.endswith(f"stopped: {cause}.")
+    assert report.corrupt_lines == {}
