@@ -23,7 +23,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -95,7 +95,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -132,6 +132,9 @@ bench-mismatch: setup ## engine vs trainer log-probs on identical weights: fp32,
 
 bench-real-model: setup ## SmolLM2-135M on a reasoning-gym task through the real stack: phases, tokens/s, trainer vs plain transformers
 	$(BIN)/python bench/real_model_bench.py
+
+bench-learn-real: setup ## SmolLM2-135M on generated GSM8K-style data with its defaults: strict/lenient held-out gain, wasted tokens (~1 h)
+	$(BIN)/python bench/learn_real_bench.py $(BENCH_ARGS)
 
 bench-trust: setup ## knock on and fuzz every surface of a running relayrl up (auth, roles, bad input)
 	$(BIN)/python bench/trust_bench.py

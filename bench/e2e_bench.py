@@ -22,14 +22,13 @@ The last line is exactly:
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from up_runs import UpRun, run_up
+from up_runs import UpRun, default_placement, run_up
 
 MODES = (("sync", 0), ("separate_async", 1))
 # The additive phases of a step (the trainer's `model` phase is the compute inside the two
@@ -63,21 +62,6 @@ class Result:
     def accuracy_at(self, seconds: float) -> float:
         """The latest evaluation of a step that had ended `seconds` into training."""
         return max((c for c in self.curve if c[0] <= seconds + 1e-6), default=(0.0, self.warm))[1]
-
-
-def default_placement() -> dict[str, str] | None:
-    """Half the CPUs to the engine, the rest to the trainer and the services (on 2 CPUs: one
-    each; the services then share the trainer's, as nothing is left for a third set)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    half = len(cpus) // 2
-    engine, trainer = cpus[:half], cpus[half:]
-    return {
-        "engine": ",".join(map(str, engine)),
-        "trainer": ",".join(map(str, trainer)),
-        "services": ",".join(map(str, trainer)),
-    }
 
 
 def cpus_of(pid: int) -> str:

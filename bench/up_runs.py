@@ -4,6 +4,7 @@ generated config, find the run folder, and read what the run wrote."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -69,6 +70,21 @@ class UpRun:
     def train_s(self) -> float:
         state = self.state
         return state["training_finished"] - state["training_started"]
+
+
+def default_placement() -> dict[str, str] | None:
+    """Half the CPUs to the engine, the rest to the trainer and the services (on 2 CPUs: one
+    each; the services then share the trainer's, as nothing is left for a third set)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    engine, trainer = cpus[:half], cpus[half:]
+    return {
+        "engine": ",".join(map(str, engine)),
+        "trainer": ",".join(map(str, trainer)),
+        "services": ",".join(map(str, trainer)),
+    }
 
 
 def run_up(
