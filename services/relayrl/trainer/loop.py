@@ -43,7 +43,7 @@ from relayrl.trainer.metrics import StepMetrics, TrainerMetrics
 from relayrl.trainer.modes import TrainerMode
 from relayrl.trainer.progress import ProgressWatch
 from relayrl.trainer.publish import WeightPublisher
-from relayrl.trainer.replay import ReplaySampler, SamplingStopped, Verdict
+from relayrl.trainer.replay import ReplaySampler, Sample, SamplingStopped, Verdict
 from relayrl.trainer.rollout_link import GatewayLink
 from relayrl.trainer.runtime import LRScheduler, Policy, PolicyOptimizer
 from relayrl.trainer.step import DataParallel, StepResult, Updater
@@ -229,6 +229,18 @@ class Leader:
             discard=self._discard,
         )
         groups = scored_groups(sample.kept, step, self.config.model.max_seq_len)
+        metrics = self._sample_metrics(step, sample)
+        metrics.staleness = [step - g.prompt_step + 1 for g in groups]
+        # The simulator's staleness, i.e. policy lag (docs/staleness.md#definitions): versions
+        # between the one that launched a group's oldest token and the one this step trains;
+        # 0 is on-policy.
+        metrics.policy_lag = [step - min(r.min_policy_version for r in g.rows) for g in groups]
+        metrics.launched_lengths = [r.response_len for g in groups for r in g.rows]
+        return groups, metrics, sample.waited_s
+
+    def _sample_metrics(self, step: int, sample: Sample) -> StepMetrics:
+        """What the step consumed: verdicts, their reasons and tokens, failed rollouts, the
+        curriculum's set-asides, and whether the filter's budget ran out (said in the log)."""
         metrics = StepMetrics(step=step)
         metrics.groups = {"keep": len(sample.kept), **sample.rejected}
         if sample.num_evicted:
@@ -246,23 +258,16 @@ class Leader:
         metrics.values["rollouts"] = float(tally.rollouts)
         metrics.values["failed_rollouts"] = float(tally.failed_rollouts)
         if sample.budget_spent:
-            wanted = self.config.algorithm.train_batch_groups
             metrics.values["filter_budget_spent"] = 1.0
             logger.warning(
                 "step %d: the filter's budget is spent (%d groups consumed for %d): training on "
                 "the %d kept",
                 step,
                 sample.num_consumed,
-                wanted,
+                self.config.algorithm.train_batch_groups,
                 len(sample.kept),
             )
-        metrics.staleness = [step - g.prompt_step + 1 for g in groups]
-        # The simulator's staleness, i.e. policy lag (docs/staleness.md#definitions): versions
-        # between the one that launched a group's oldest token and the one this step trains;
-        # 0 is on-policy.
-        metrics.policy_lag = [step - min(r.min_policy_version for r in g.rows) for g in groups]
-        metrics.launched_lengths = [r.response_len for g in groups for r in g.rows]
-        return groups, metrics, sample.waited_s
+        return metrics
 
 
 class TrainingLoop:
