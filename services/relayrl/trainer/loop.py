@@ -192,16 +192,17 @@ class Leader:
         self.feed(step)
 
     def judge(self, group: GroupWithTrajectories, step: int) -> Verdict:
-        """no_valid: every member failed as infrastructure; no_signal: fewer than two valid
-        members (nothing to compare, whatever the filter), or, with the filter on, equal
-        rewards; keep otherwise. The feeder's curriculum learns the group's outcome."""
+        """no_valid: every member failed as infrastructure; no_signal: one valid member of
+        several (nothing to compare, whatever the filter), or, with the filter on, equal
+        rewards; keep otherwise. A group of one (samples_per_prompt 1) is kept with the filter
+        off. The feeder's curriculum learns the group's outcome."""
         valid = [is_valid(t) for t in group.trajectories]
         if self.feeder is not None:
             rewards = [t.reward.score for t, v in zip(group.trajectories, valid, strict=True) if v]
             self.feeder.observe(group.group, step, rewards)
         if not any(valid):
             return "no_valid"
-        if sum(valid) < 2:
+        if sum(valid) < 2 and len(valid) > 1:
             return "no_signal"
         if not self.config.algorithm.dapo_filter:
             return "keep"

@@ -162,3 +162,29 @@ def test_the_progress_log_skips_a_line_cut_by_a_crash(tmp_path: Path) -> None:
     with path.open("a") as f:
         f.write('ing"}\nnot json\n')
     assert log.new_records() == []  # the cut record, completed, is still not a record
+
+
+@pytest.mark.parametrize(
+    ("rewards", "dapo_filter", "verdict"),
+    [
+        ([1.0, 0.0], True, "keep"),
+        ([1.0, 1.0], True, "no_signal"),
+        ([1.0, 1.0], False, "keep"),
+        ([1.0, None], False, "no_signal"),  # one valid member of two: nothing to compare
+        ([None, None], False, "no_valid"),
+        ([1.0], False, "keep"),  # issued with one sample (make bench-pipeline)
+        ([1.0], True, "no_signal"),
+        ([None], False, "no_valid"),
+    ],
+)
+def test_the_leaders_verdict_on_a_group(
+    rewards: list[float | None], dapo_filter: bool, verdict: str
+) -> None:
+    from types import SimpleNamespace
+
+    from relayrl.trainer.loop import Leader
+
+    leader = SimpleNamespace(
+        feeder=None, config=SimpleNamespace(algorithm=SimpleNamespace(dapo_filter=dapo_filter))
+    )
+    assert Leader.judge(leader, group(rewards), step=0) == verdict  # type: ignore[arg-type]
