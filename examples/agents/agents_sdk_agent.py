@@ -35,7 +35,7 @@ from agents import (
     Runner,
     set_tracing_disabled,
 )
-from agents.exceptions import MaxTurnsExceeded
+from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from openai import AsyncOpenAI
 from tools import MAX_TURNS, NUDGE, TOOLS, close_session, needs_nudge, run_tool, session_of
 
@@ -73,8 +73,11 @@ async def solve(task: dict[str, Any]) -> None:
         if needs_nudge(str(result.final_output or ""), nudged=False):
             nudge = [*result.to_input_list(), {"role": "user", "content": NUDGE}]
             await Runner.run(agent, nudge, max_turns=MAX_TURNS)
-    except MaxTurnsExceeded:
-        pass  # the session holds every turn it took; it is a (probably wrong) answer
+    except (MaxTurnsExceeded, ModelBehaviorError):
+        # Too many turns, or a call to a tool that does not exist or with arguments that are
+        # not JSON: the model's doing, not the system's. The session holds every turn it took;
+        # it is scored as a (probably wrong) answer, not reported as a failed rollout.
+        pass
     finally:
         await client.close()
 
