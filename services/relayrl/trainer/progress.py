@@ -221,7 +221,9 @@ class StepTally:
 
     no_signal: dict[str, int]  # why groups had no signal -> groups
     failures: dict[str, int]  # infrastructure failure reason -> rollouts
-    tokens: dict[str, int]  # verdict -> generated response tokens of its groups
+    # verdict -> generated response tokens of its groups; "no_signal" also holds kept groups
+    # with equal rewards (the filter off), which train with no advantage
+    tokens: dict[str, int]
     rollouts: int
     failed_rollouts: int
 
@@ -263,11 +265,14 @@ class ProgressWatch:
         """One judged group: its verdict and its rollouts' failures."""
         from relayrl.trainer.batch import is_valid
 
-        self._tokens[verdict] += sum(len(t.response_token_ids) for t in group.trajectories)
+        valid = [t.reward.score for t in group.trajectories if is_valid(t)]
+        # A group kept with the filter off whose rewards are all equal trains with no advantage:
+        # its tokens count as without signal too, as they would with the filter on.
+        bucket = "no_signal" if verdict == "keep" and len(set(valid)) < 2 else verdict
+        self._tokens[bucket] += sum(len(t.response_token_ids) for t in group.trajectories)
         if verdict != "keep":
             self._rejected[verdict] += 1
         if verdict == "no_signal":
-            valid = [t.reward.score for t in group.trajectories if is_valid(t)]
             self._no_signal[no_signal_reason(valid)] += 1
         now = self._clock()
         for trajectory in group.trajectories:

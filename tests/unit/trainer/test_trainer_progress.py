@@ -188,3 +188,21 @@ def test_the_leaders_verdict_on_a_group(
         feeder=None, config=SimpleNamespace(algorithm=SimpleNamespace(dapo_filter=dapo_filter))
     )
     assert Leader.judge(leader, group(rewards), step=0) == verdict  # type: ignore[arg-type]
+
+
+def test_a_kept_group_with_equal_rewards_counts_its_tokens_as_without_signal() -> None:
+    """With the filter off such a group is trained, with no advantage: the summary's wasted
+    share must not call its tokens useful."""
+    w = watch(Clock())
+
+    def tokens(rewards: list[float | None], count: int) -> GroupWithTrajectories:
+        made = group(rewards)
+        for trajectory in made.trajectories:
+            trajectory.response_token_ids.extend([5] * count)
+        return made
+
+    w.observe(tokens([1.0, 0.0], 10), "keep")
+    w.observe(tokens([0.0, 0.0], 7), "keep")  # kept with the filter off
+    w.observe(tokens([1.0, 1.0], 3), "no_signal")
+    assert w.step_tally().tokens == {"keep": 20, "no_signal": 20}
+    assert w.step_tally().no_signal == {"all scored 1": 1}  # only what the filter rejected
