@@ -18,8 +18,10 @@ With `serve: true` one long-running process takes every sample's task instead (o
 per task in, one result line per task out: relayrl.gateway.served_agent), so the program's
 start-up is paid once.
 
-The agent ends its session with `POST $RELAYRL_SESSION_URL/close`: the trajectory is then put
-as finished and the reward-service scores it as any other.
+An agent that exits 0 has finished: its session is closed for it (no environment reward), the
+trajectory is what the policy generated, and the reward-service scores it as any other. An
+agent may also end its session itself with `POST $RELAYRL_SESSION_URL/close`, which is how it
+reports an environment's reward.
 
 The task also holds `extra_info`, the dataset row's object (empty for other tasks). A close may
 report the environment's reward (`{"env_reward": {"status", "score", "message"}}`), which the
@@ -29,9 +31,11 @@ An agent may also be a coroutine function (`callable: package.module:function`),
 gateway as `await function(client, task)` with an `openai.AsyncOpenAI` client on the session;
 its return closes the session (a returned number or `{"status", "score", "message"}` is the
 environment's reward), an exception or the deadline fails it. Every other ending is the
-infrastructure's, never a reward: an agent that exits non-zero, runs past its deadline or
-exits 0 without closing gets its session aborted, and the trajectory is put as failed
-(is_infra) with the reason (exit code, stderr tail) - also when it generated nothing.
+infrastructure's, never a reward: an agent that exits non-zero, is killed, runs past its
+deadline, or exits 0 with no generation, with a request still in flight or right after its
+last request failed on our side (frameworks catch a 502 and exit 0 anyway) gets its session
+aborted, and the trajectory is put as failed (is_infra) with the reason (exit code, stderr
+tail) - also when it generated nothing.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ PASSED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL
 
 @dataclass(frozen=True)
 class AgentRun:
-    """How one sample's agent ended: `finished` (it closed its session), or the reason the
+    """How one sample's agent ended: `finished` (its session ended as a close), or the reason the
     trajectory was failed; `needs_put` when the session had nothing to put (the caller puts a
     failed trajectory)."""
 
@@ -164,15 +168,19 @@ class ExternalAgent:
                 )
                 reason = await self._run_process(task, env)
         ended = self._sessions.ended(session_id)
-        if reason is None and ended is not None and ended.outcome == "finished":
-            return AgentRun(finished=True)
-        if reason is None:
+        if reason is None and ended is None:  # done without a close: the episode is over
             done = "finished its task" if self._server is not None else "exited 0"
-            reason = (
-                f"agent {self.name!r} {done} without closing its session"
-                if ended is None
-                else f"agent {self.name!r} ended its session as {ended.outcome}: {ended.reason}"
-            )
+            try:
+                ended = await self._sessions.end_on_exit(session_id, f"agent {self.name!r} {done}")
+            except AgentError as exc:
+                reason = f"agent {self.name!r} {done}, but its session did not end: {exc.message}"
+        if reason is None and ended is not None:
+            if ended.outcome == "finished":
+                return AgentRun(finished=True)
+            reason = ended.reason
+            if not reason.startswith(f"agent {self.name!r}"):
+                reason = f"agent {self.name!r} ended its session as {ended.outcome}: {reason}"
+        assert reason is not None
         if ended is None:
             with contextlib.suppress(AgentError):
                 ended = await self._sessions.abort(session_id, reason)

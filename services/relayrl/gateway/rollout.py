@@ -99,6 +99,7 @@ class StickySession:
         prompt = tuple(prompt_token_ids)
         token_ids: list[int] = []
         logprobs: list[float] = []
+        alternatives: list[tuple[tuple[int, float], ...]] = []
         spans: list[VersionSpan] = []
         while True:
             remaining = sampling.max_tokens - len(token_ids)
@@ -111,6 +112,7 @@ class StickySession:
             ]
             token_ids += part.token_ids
             logprobs += part.logprobs
+            alternatives += part.top_logprobs
             finish_reason = part.finish_reason
             if finish_reason != "abort":
                 break
@@ -123,7 +125,13 @@ class StickySession:
                 len(token_ids),
             )
         return Generation(
-            part.request_id, tuple(token_ids), tuple(logprobs), finish_reason, tuple(_merge(spans))
+            part.request_id,
+            tuple(token_ids),
+            tuple(logprobs),
+            finish_reason,
+            tuple(_merge(spans)),
+            stop_string=part.stop_string,
+            top_logprobs=tuple(alternatives),
         )
 
     async def _generate_once(

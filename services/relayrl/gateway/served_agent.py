@@ -11,6 +11,8 @@ about a CPU-second for `openai` or an agent framework. A served agent pays it on
   and `session_url` (for the close);
 - for each task it writes one JSON line on stdout once it is done with it:
   `{"session_id": ..., "error": null | "what went wrong"}`; other stdout lines are ignored.
+  `"error": null` ends the episode as an agent's exit 0 does (the session is closed for it,
+  unless it already closed it with a reward); an error fails it as the infrastructure's.
 
 It runs tasks concurrently, as many as `max_concurrent` at a time. A task past its deadline
 fails alone; the process keeps running, and its late requests on that session are refused.

@@ -33,6 +33,11 @@ class SamplingOptions:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Stop strings, matched by the engine on the detokenised text; the tokens stay in the
+    # generation (the text is cut by whoever decodes it: `text_before_stop`).
+    stop: tuple[str, ...] = ()
+    # Alternatives per generated token to return besides the sampled token's log-prob.
+    top_logprobs: int = 0
     # Generate max_tokens whatever the model says (benchmarks, tests of long rollouts).
     ignore_eos: bool = False
     # An engine-side constraint on the sampled text, in vLLM's `structured_outputs` form
@@ -79,6 +84,24 @@ class Generation:
     logprobs: tuple[float, ...]
     finish_reason: str  # "stop", "length", "abort"
     version_spans: tuple[VersionSpan, ...]
+    # The stop string that ended the generation (None: EOS, a stop token, the length).
+    stop_string: str | None = None
+    # Per token, the engine's most likely alternatives as (token id, log-prob), best first
+    # (SamplingOptions.top_logprobs of them); empty unless asked for.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+def text_before_stop(text: str, stop_string: str | None, include_stop: bool) -> tuple[str, str]:
+    """A generation's decoded `text` cut where vLLM cuts it for the stop string that ended it:
+    before the stop string (after it with `include_stop`); returns (kept, cut off). What the
+    last token decodes to beyond the stop string is cut off too. A stop string the full
+    decoding does not contain (it decodes differently from the engine's incremental one)
+    cuts nothing."""
+    at = text.find(stop_string) if stop_string else -1
+    if at < 0:
+        return text, ""
+    end = at + len(stop_string) if include_stop and stop_string else at
+    return text[:end], text[end:]
 
 
 class EngineError(Exception):
@@ -224,12 +247,15 @@ class VllmEngineClient(EngineClient):
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
-            "logprobs": 0,  # the sampled token's own log-prob
+            # the sampled token's own log-prob, and as many alternatives as asked for
+            "logprobs": sampling.top_logprobs,
         }
         if sampling.seed is not None:
             params["seed"] = sampling.seed
         if sampling.stop_token_ids:
             params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.stop:
+            params["stop"] = list(sampling.stop)
         if sampling.ignore_eos:
             params["ignore_eos"] = True
         if sampling.structured_outputs:
@@ -242,7 +268,7 @@ class VllmEngineClient(EngineClient):
         answer = await self._call(
             "POST", "/inference/v1/generate", body=body, timeout_s=self._request_timeout_s
         )
-        return _generation(request.request_id, answer, self.name)
+        return _generation(request.request_id, answer, self.name, sampling.top_logprobs)
 
     async def health(self) -> bool:
         try:
@@ -299,21 +325,35 @@ def _detail(raw: bytes) -> str:
     return str(data)[:300]
 
 
-def _generation(request_id: str, answer: Any, engine: str) -> Generation:
+def _generation(request_id: str, answer: Any, engine: str, top: int = 0) -> Generation:
     try:
         (choice,) = answer["choices"]
         token_ids = tuple(int(t) for t in choice["token_ids"])
         content = (choice.get("logprobs") or {}).get("content") or []
         logprobs = tuple(float(entry["logprob"]) for entry in content)
+        alternatives = tuple(_alternatives(entry, top) for entry in content) if top else ()
         spans = tuple(
             VersionSpan(str(span["version"]), int(span["start"]), int(span["end"]))
             for span in choice.get("weight_versions") or []
         )
         finish_reason = str(choice.get("finish_reason") or "")
+        stop_reason = choice.get("stop_reason")
     except (KeyError, TypeError, ValueError) as exc:
         raise EngineUnavailable(f"engine {engine}: malformed generate answer: {exc!r}") from exc
     if len(logprobs) != len(token_ids) or any(math.isnan(lp) for lp in logprobs):
         raise EngineUnavailable(
             f"engine {engine}: {len(logprobs)} log-probs for {len(token_ids)} tokens"
         )
-    return Generation(request_id, token_ids, logprobs, finish_reason, spans)
+    stop_string = stop_reason if isinstance(stop_reason, str) and stop_reason else None
+    return Generation(
+        request_id, token_ids, logprobs, finish_reason, spans, stop_string, alternatives
+    )
+
+
+def _alternatives(entry: Mapping[str, Any], top: int) -> tuple[tuple[int, float], ...]:
+    """One position's `top` most likely tokens. The engine lists the sampled token first (it
+    may not be among the most likely), then its top candidates."""
+    best: dict[int, float] = {}
+    for candidate in entry.get("top_logprobs") or ():
+        best[int(candidate["token_id"])] = float(candidate["logprob"])
+    return tuple(sorted(best.items(), key=lambda item: -item[1])[:top])

@@ -1,8 +1,9 @@
 """A plain-`openai` external agent: reads its task, asks the model, sends a follow-up user turn,
 asks again, and closes its session (reporting `--reward` as the environment's reward, if
-given). `--behave` makes it misbehave the ways agents do: crash (exit 3 before any request),
-hang (sleep past any deadline), noclose (one turn, exit 0 without closing). `--serve` makes it
-a served agent (one process for every task; `serve` says how it behaves)."""
+given). `--behave` makes it end the other ways agents do: crash (exit 3 before any request),
+hang (sleep past any deadline), noclose (one turn, exit 0 without closing: the exit ends the
+episode), nogen (exit 0 before any request). `--serve` makes it a served agent (one process
+for every task; `serve` says how it behaves)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def close_session(
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--behave", choices=["well", "crash", "hang", "noclose"], default="well")
+    parser.add_argument(
+        "--behave", choices=["well", "crash", "hang", "noclose", "nogen"], default="well"
+    )
     parser.add_argument("--reward", type=float, default=None, help="report this env reward")
     parser.add_argument("--serve", action="store_true", help="a served agent (serve: true)")
     args = parser.parse_args()
@@ -50,6 +53,8 @@ def main() -> int:
         return 3
     if args.behave == "hang":
         time.sleep(3600)
+    if args.behave == "nogen":
+        return 0
     client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the env
     messages = list(task["messages"])
     first = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)

@@ -13,6 +13,7 @@ turns that must call one with vLLM structured outputs passed through the gateway
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -342,6 +343,95 @@ def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
     tq.close()
 
 
+def test_stop_strings_of_any_length_end_a_turn_on_both_routes_as_vllm_ends_it(
+    redis_server: RedisServer,
+    model_dir: Path,
+    engine: EngineProcess,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp_path: Path,
+) -> None:
+    """A ReAct agent stops each turn on "\nObservation:" and writes the observation after it
+    itself. The answer leaves the stop string out (unless include_stop_str_in_output), the
+    trajectory keeps every token the engine generated, and the agent's next prompt, which
+    repeats the stop string, does not record it twice. Alternatives per token come from the
+    engine when asked."""
+    react = "Thought: add them\nAction: add\nObservation: 4"
+    said = "Thought: add them\nAction: add"
+    stop = "\nObservation:"
+    steered = steer(re.escape(react))
+
+    async def agent(gw: Gateway) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        # completions on text, as a classic ReAct agent on a completions model
+        out["react"] = react_session = await gw.open(data_source="env")
+        client = gw.agent(react_session)
+        prompt = "Question: what is 2 + 2?\n"
+        first = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=40, stop=[stop], logprobs=2, extra_body=steered
+        )
+        follow = prompt + first.choices[0].text + stop + " 4\nThought:"
+        second = await client.completions.create(
+            model=MODEL, prompt=follow, max_tokens=8, extra_body=steer(re.escape(" done"))
+        )
+        out["completions"] = (first, second, follow[len(prompt + first.choices[0].text) :])
+        # chat, the same stop, with and without the stop string in the answer
+        for name, include in (("chat", False), ("chat_included", True)):
+            session_id = await gw.open(data_source="env")
+            chat = gw.agent(session_id)
+            question = [{"role": "user", "content": "What is 2 + 2?"}]
+            answer = await chat.chat.completions.create(
+                model=MODEL,
+                messages=question,
+                max_tokens=40,
+                stop=stop,
+                logprobs=True,
+                top_logprobs=3,
+                extra_body=steered | {"include_stop_str_in_output": include},
+            )
+            # the reply as returned extends the conversation
+            question += [answer.choices[0].message, {"role": "user", "content": "4"}]
+            await chat.chat.completions.create(model=MODEL, messages=question, max_tokens=4)
+            out[name] = answer
+            assert (await gw.post(f"/sessions/{session_id}/close"))[0] == 200
+        assert (await gw.post(f"/sessions/{react_session}/close"))[0] == 200
+        return out
+
+    tq = TransferQueue(redis_server.client())
+    with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
+        out = asyncio.run(agent(Gateway(process)))
+    try:
+        (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [f"agent-{out['react']}_0"])
+    finally:
+        tq.close()
+
+    first, second, added = out["completions"]
+    assert (first.choices[0].text, first.choices[0].finish_reason) == (said, "stop")
+    assert out["chat"].choices[0].message.content == said  # the routes agree
+    assert out["chat_included"].choices[0].message.content == said + stop
+    generated = first.choices[0].token_ids
+    decoded = tokenizer.decode(generated, skip_special_tokens=True)
+    assert decoded.startswith(said + stop)  # the engine's tokens, stop string and all
+    # The trajectory: the first turn's tokens, then only what the agent added after the stop
+    # string (and after whatever else the last token decoded to), then the second turn.
+    held_back = decoded[len(said) :]
+    assert added.startswith(held_back)
+    observation = encode(tokenizer, added[len(held_back) :])
+    response = list(trajectory.response_token_ids)
+    assert response == generated + observation + second.choices[0].token_ids
+    assert second.model_extra["prompt_token_ids"] == list(trajectory.prompt_token_ids) + (
+        generated + observation
+    )
+    # top_logprobs: the engine's best alternatives per token, best first; the sampled token's
+    # own log-prob is never above the best one's.
+    for answer in (out["chat"], out["chat_included"]):
+        for entry in answer.choices[0].logprobs.content:
+            best = [alt.logprob for alt in entry.top_logprobs]
+            assert len(best) == 3 and best == sorted(best, reverse=True), entry
+            assert entry.logprob <= best[0] + 1e-6
+    top = first.choices[0].logprobs.top_logprobs
+    assert len(top) == len(generated) and all(1 <= len(at) <= 2 for at in top)
+
+
 # --- what agents get wrong --------------------------------------------------------------------
 
 
@@ -371,8 +461,8 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
         assert (await error(path, {"model": MODEL, "messages": hello, "n": 2}, 400))["param"] == "n"
         bad_role = {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}
         assert "role" in (await error(path, bad_role, 400))["message"]
-        long_stop = {"model": MODEL, "messages": hello, "stop": ["two words"]}
-        assert (await error(path, long_stop, 400))["param"] == "stop"
+        bad_stop = {"model": MODEL, "messages": hello, "stop": ["two words", 3]}
+        assert (await error(path, bad_stop, 400))["param"] == "stop"
         unknown = await error("/sessions/nope/v1/chat/completions", {}, 404)
         assert unknown["code"] == "session_not_found"
         no_session = await error("/v1/chat/completions", {"model": MODEL, "messages": hello}, 400)
@@ -855,6 +945,99 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
         assert list(trajectory.response_token_ids) == [70, 71, 72, engine._im_end]
         (span,) = trajectory.spans
         assert (span.policy_version, span.replica, span.turn) == (3, "engine-0", 0)
+        await sessions.close()
+        await pool.close()
+
+    tq = TransferQueue(redis_server.client())
+    try:
+        asyncio.run(main(tq))
+    finally:
+        tq.close()
+
+
+def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructure_failed(
+    redis_server: RedisServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """What `end_on_exit` makes of a session whose agent exited 0 without closing it: a close
+    (no environment reward) after an answered request, also when an earlier failure was
+    retried; the infrastructure's failure after a last request that failed on our side, with
+    a request still in flight, or with nothing generated."""
+    hello = [{"role": "user", "content": "hello"}]
+    who = "agent 'a' exited 0"
+
+    def chat(messages: list[dict[str, Any]]) -> ChatRequest:
+        return ChatRequest(messages, None, TurnSampling(max_tokens=8))
+
+    async def main(tq: TransferQueue) -> None:
+        pool = ReplicaPool(health_interval_s=0.1)
+        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        await pool.add("engine-0", engine)
+        pool.start_health_checks()
+        sessions = AgentSessions(
+            tq=tq,
+            pool=pool,
+            tokenizer=tokenizer,
+            config=AgentHttpConfig(),
+            claimer="test",
+            lease_s=60,
+            request_timeout_s=10,
+        )
+        await sessions.start()
+
+        async def session(script: list[str]) -> str:
+            session_id = (await sessions.open(SessionSpec(data_source="x"))).session_id
+            engine.script = list(script)
+            return session_id
+
+        async def turns(session_id: str, count: int) -> None:
+            messages = list(hello)
+            for _ in range(count):
+                with contextlib.suppress(AgentError):
+                    answer = await sessions.chat(session_id, chat(messages))
+                    messages += [{"role": "assistant", "content": answer.content}]
+                    messages += [{"role": "user", "content": "more"}]
+
+        answered = await session(["answer"])
+        await turns(answered, 1)
+        retried = await session(["fail", "answer"])
+        await turns(retried, 2)
+        failed_last = await session(["answer", "fail"])
+        await turns(failed_last, 2)
+        nothing = await session([])
+        ends = {
+            name: await sessions.end_on_exit(session_id, who)
+            for name, session_id in (
+                ("answered", answered),
+                ("retried", retried),
+                ("failed_last", failed_last),
+                ("nothing", nothing),
+            )
+        }
+        in_flight_id = await session(["answer", "hang"])
+        request = asyncio.create_task(turns(in_flight_id, 2))
+        await engine.hanging.wait()
+        ends["in_flight"] = await sessions.end_on_exit(in_flight_id, who)
+        await request
+
+        outcomes = {name: end.outcome for name, end in ends.items()}
+        assert outcomes == {
+            "answered": "finished",
+            "retried": "finished",
+            "failed_last": "failed",
+            "nothing": "discarded",
+            "in_flight": "failed",
+        }
+        assert ends["failed_last"].reason.startswith(f"{who} after its last request failed: ")
+        assert "connection refused" in ends["failed_last"].reason
+        assert ends["nothing"].reason == f"{who} with no generation"
+        assert ends["in_flight"].reason == f"{who} while its request was still being answered"
+        keys = [ends[name].trajectory_key for name in ("answered", "failed_last", "in_flight")]
+        finished, failed, cut = tq.get_trajectories(AGENT_PARTITION, keys)
+        assert not finished.tags.is_infra and not finished.error
+        assert not finished.labels.get("env_reward")  # a close without the environment's reward
+        assert failed.tags.is_infra and "connection refused" in failed.error
+        # what was answered before the request in flight stays on record
+        assert cut.tags.is_infra and list(cut.response_token_ids) == [70, 71, 72, engine._im_end]
         await sessions.close()
         await pool.close()
 

@@ -3,9 +3,10 @@ tiny model on a real vLLM engine, a real relayrl-gateway, and real agent process
 plain-`openai` program) that talk to its agent endpoint with their session's URL and token.
 
 A well-behaved agent's trajectories are the gateway's record of its turns (engine token ids,
-mask 0 on the user turn between them) and are put as finished; an agent that crashes, hangs
-past its deadline or exits 0 without closing gets its trajectories put as failed (is_infra)
-with the reason, and leaves no process behind.
+mask 0 on the user turn between them) and are put as finished, also when it exits 0 without
+closing (the exit ends the episode); an agent that crashes, hangs past its deadline or exits 0
+having generated nothing gets its trajectories put as failed (is_infra) with the reason, and
+leaves no process behind.
 
 A verifiers environment (examples/agents/verifiers_env, served by examples/agents/
 verifiers_agent.py in the verifiers virtual environment `make setup` builds) reports its
@@ -90,6 +91,7 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
     redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
 ) -> None:
     behaviours = {"good": "well", "crash": "crash", "hang": "hang", "noclose": "noclose"}
+    behaviours |= {"nogen": "nogen"}
     commands = {"rewarded": [*AGENT, "--reward", "0.75"]}
     # the example agents of examples/agents/ (plain openai, raw HTTP), tools offered
     examples = Path(__file__).resolve().parents[3] / "examples" / "agents"
@@ -187,7 +189,9 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
 
     good = groups["g-good"].trajectories + groups["g-fn"].trajectories
     assert [t.tags.is_infra for t in good] == [False] * 4
-    for name in ("g-openai", "g-http", "g-served", "g-served-again"):
+    # an agent that exits 0 (or reports success) without closing has ended its episode
+    names = ("g-openai", "g-http", "g-served", "g-served-again", "g-noclose", "g-served-noclose")
+    for name in names:
         assert [t.tags.is_infra for t in groups[name].trajectories] == [False] * 2, name
         assert all(t.response_token_ids for t in groups[name].trajectories), name
     # the environment's reward rides on the trajectory as reported with the close
@@ -215,10 +219,9 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
     expected = {
         "crash": ["exited 3", "boom: the agent fell over"],
         "hang": ["ran past its deadline of 4.0 s"],
-        "noclose": ["exited 0 without closing its session"],
+        "nogen": ["agent 'nogen' exited 0 with no generation"],
         "fnraise": ["raised RuntimeError: the agent function fell over"],
         "served-error": ["agent 'served' reported: RuntimeError: the environment broke"],
-        "served-noclose": ["agent 'served' finished its task without closing its session"],
         "served-die": ["agent 'served-die' process exited 5: the served agent fell over"],
         "vf-unknown": ["agent 'vf' reported: ValueError: the sample has no extra_info.verifiers"],
         # an episode the environment failed (here before the first model call) is its error,
@@ -230,8 +233,9 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
             assert trajectory.tags.is_infra, (name, trajectory)
             assert all(w in trajectory.error for w in words), (name, trajectory.error)
             assert trajectory.reward.status == common_pb2.REWARD_STATUS_UNSPECIFIED  # no reward
-    # the one that generated before failing keeps what it generated, for the record
-    assert all(len(t.response_token_ids) > 0 for t in groups["g-noclose"].trajectories)
+    # the episode ended by the exit is one turn, scored as the policy's answer
+    for trajectory in groups["g-noclose"].trajectories + groups["g-served-noclose"].trajectories:
+        assert 0 not in bytes(trajectory.response_mask) and trajectory.finish_reason != "error"
 
 
 @pytest.mark.parametrize(

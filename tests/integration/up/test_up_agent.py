@@ -9,6 +9,10 @@ Every trained group has its `n` trajectories, each the gateway's record of the a
 version per span), trained exactly once; nothing is an infrastructure failure, and no agent
 process outlives the run.
 
+The plain `openai` program of examples/agents/plain_openai_agent.py trains unchanged: it asks two
+chat turns and exits 0 without closing its session, and its exit ends the episode; every step
+trains kept groups of its two-turn trajectories, none an infrastructure failure.
+
 `relayrl up --data --env-reward --agent` with a verifiers environment (examples/agents/
 verifiers_env's vf-arith, exported to a dataset and served by examples/agents/verifiers_agent.py
 in the verifiers virtual environment): the reward the trainer trains on is the environment's
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +45,7 @@ from relayrl_testkit.helpers.up import (
 REPO = Path(__file__).resolve().parents[3]
 AGENT = REPO / "examples" / "agents" / "agents_sdk_agent.py"
 SDK_PYTHON = REPO / ".venv" / "share" / "venvs" / "agents-sdk" / "bin" / "python"
+PLAIN_AGENT = REPO / "examples" / "agents" / "plain_openai_agent.py"
 VERIFIERS_PYTHON = REPO / ".venv" / "share" / "venvs" / "verifiers" / "bin" / "python"
 VERIFIERS_AGENT = REPO / "examples" / "agents" / "verifiers_agent.py"
 VERIFIERS_ENV = {"PYTHONPATH": str(REPO / "examples" / "agents" / "verifiers_env")}
@@ -103,6 +109,39 @@ def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> Non
     # the warm-started policy calls the lookup tool, so sessions span several turns
     assert multi_turn > 0
     assert processes_of(run_dir) == [] and agents_alive() == []
+
+
+@pytest.mark.timeout(900)
+def test_a_plain_openai_program_that_never_closes_its_session_trains_unchanged(
+    runs_dir: Path,
+) -> None:
+    steps, n = SHORT_RUN["train"]["steps"], SHORT_RUN["train"]["samples_per_prompt"]
+    groups = SHORT_RUN["train"]["batch_groups"]
+    up = UpProcess.start(runs_dir, SHORT_RUN, "--agent", f"{sys.executable} {PLAIN_AGENT}")
+    try:
+        assert up.wait(800) == 0, up.output()
+        run_dir, output = up.run_dir, up.output()
+    finally:
+        up.stop()
+    assert f"trained arith for {steps} steps" in output, output
+
+    records = steps_logged(run_dir)
+    assert [r["step"] for r in records] == list(range(steps))
+    assert all(len(record["uids"]) == groups for record in records), records  # kept groups
+    audit = audit_queue(run_dir)
+    check_exactly_once(run_dir, audit)
+    infra = audit.infra_trajectories()
+    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
+    for uid in {uid for record in records for uid in record["uids"]}:
+        entry = audit.groups[uid]
+        assert entry.group.agent == "external"
+        assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
+        for trajectory in entry.trajectories:
+            assert trajectory.labels["agent_session"] and trajectory.finish_reason != "error"
+            # two generated turns, the user's follow-up between them
+            mask = bytes(trajectory.response_mask)
+            assert mask[0] == 1 and mask[-1] == 1 and 0 in mask, uid
+    assert processes_of(run_dir) == [] and agents_alive(PLAIN_AGENT) == []
 
 
 @pytest.mark.timeout(900)

@@ -77,7 +77,8 @@ def refusal(model: type, body: dict[str, Any]) -> AgentError:
             "not both",
         ),
         (chat(stream=1), "stream", "true or false"),
-        (chat(top_logprobs=3), "top_logprobs", "sampled token"),
+        (chat(top_logprobs=3), "top_logprobs", "needs logprobs: true"),
+        (chat(logprobs=True, top_logprobs=21), "top_logprobs", "must be in [0, 20]"),
     ],
 )
 def test_a_malformed_chat_request_is_refused_naming_the_parameter(
@@ -119,6 +120,9 @@ def test_a_chat_request_becomes_the_canonical_conversation() -> None:
         top_k=0,
         seed=3,
         stop="</tool_call>",
+        include_stop_str_in_output=True,
+        logprobs=True,
+        top_logprobs=2,
         response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
         user="ignored by the gateway",
     )
@@ -145,6 +149,8 @@ def test_a_chat_request_becomes_the_canonical_conversation() -> None:
             max_tokens=5,
             seed=3,
             stop=("</tool_call>",),
+            include_stop_str_in_output=True,
+            top_logprobs=2,
             structured_outputs={"json": {"type": "object"}},
         ),
         parse_tool_calls=False,
@@ -173,7 +179,8 @@ def test_a_completions_prompt_is_text_or_token_ids(prompt: Any, expected: tuple[
         ({"model": MODEL, "prompt": [1, True]}, "prompt"),
         ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
         ({"model": MODEL, "prompt": "x", "suffix": "!"}, "suffix"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "logprobs": True}, "logprobs"),
     ],
 )
 def test_a_malformed_completions_request_is_refused(body: dict[str, Any], param: str) -> None:
@@ -279,6 +286,31 @@ def test_a_completion_answer_carries_token_ids_and_logprobs_when_asked() -> None
         "top_logprobs": None,
         "text_offset": [0, 1],
     }
+
+
+# Per token, the engine's alternatives as (token id, log-prob), best first.
+ALTERNATIVES = (((7, -0.5), (9, -1.5)), ((10, -0.1), (8, -0.25)))
+
+
+def test_top_logprobs_are_the_engines_alternatives_on_both_routes() -> None:
+    result = turn(top_logprobs=ALTERNATIVES)
+    asked = options({"logprobs": True, "top_logprobs": 2})
+    (choice,) = ChatCompletionResponse.of(result, MODEL, asked, letters).model_dump()["choices"]
+    content = choice["logprobs"]["content"]
+    assert [(t["token"], t["logprob"]) for t in content] == [("a", -0.5), ("b", -0.25)]
+    assert [
+        [(a["token"], a["logprob"], a["bytes"]) for a in t["top_logprobs"]] for t in content
+    ] == [
+        [("a", -0.5, [97]), ("c", -1.5, [99])],
+        [("d", -0.1, [100]), ("b", -0.25, [98])],
+    ]
+    body = {"model": MODEL, "prompt": "x", "logprobs": 2}
+    asked = parse(CompletionsRequest, body, MODEL).options()
+    (choice,) = CompletionResponse.of(result, MODEL, asked, letters).model_dump()["choices"]
+    assert choice["logprobs"]["top_logprobs"] == [{"a": -0.5, "c": -1.5}, {"d": -0.1, "b": -0.25}]
+    # logprobs without top_logprobs: the sampled tokens' log-probs and no alternatives
+    plain = ChatCompletionResponse.of(result, MODEL, options({"logprobs": True}), letters)
+    assert [t.top_logprobs for t in plain.choices[0].logprobs.content] == [[], []]
 
 
 # --- the router --------------------------------------------------------------------------------

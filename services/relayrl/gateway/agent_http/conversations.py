@@ -34,7 +34,6 @@ from relayrl.gateway.agent_http.template import (
     encode,
     message_key,
     render_chat,
-    stop_token_ids,
 )
 from relayrl.gateway.config import AgentHttpConfig
 from relayrl.inference.client import SamplingOptions
@@ -63,9 +62,8 @@ class SamplingRules:
         self._tokenizer = tokenizer
         self._config = config
 
-    def stop_token_ids(self, sampling: TurnSampling) -> tuple[int, ...]:
-        """What is wrong with the request itself comes before how it fits the session; returns
-        the stop strings as token ids."""
+    def check(self, sampling: TurnSampling) -> None:
+        """What is wrong with the request itself comes before how it fits the session."""
         limit = self._config.max_tokens
         if sampling.max_tokens is not None and sampling.max_tokens > limit:
             raise invalid(
@@ -73,14 +71,13 @@ class SamplingRules:
                 "(agent_http.max_tokens)",
                 "max_tokens",
             )
-        return stop_token_ids(self._tokenizer, sampling.stop)
 
     def options(
         self,
         session: AgentSession,
         requested: TurnSampling,
         num_observation_tokens: int,
-        stop_ids: tuple[int, ...],
+        stop_ids: tuple[int, ...] = (),
     ) -> SamplingOptions:
         budget = self._config.max_response_tokens
         left = budget - len(session.transcript.response) - num_observation_tokens
@@ -110,6 +107,8 @@ class SamplingRules:
                 top_k=top_k,
                 seed=requested.seed,
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                stop=tuple(dict.fromkeys(requested.stop)),
+                top_logprobs=requested.top_logprobs,
                 structured_outputs=requested.structured_outputs,
             )
         except ValueError as exc:
@@ -150,7 +149,7 @@ class ChatConversation(Conversation[ChatRequest]):
         self._turn_end_ids = turn_end_token_ids(tokenizer)
 
     def plan(self, session: AgentSession, request: ChatRequest) -> TurnPlan[ChatRequest]:
-        stops = self._turn_end_ids + self.rules.stop_token_ids(request.sampling)
+        self.rules.check(request.sampling)
         tools = request.tools or None
         transcript = session.transcript
         if transcript.num_turns == 0:
@@ -164,7 +163,9 @@ class ChatConversation(Conversation[ChatRequest]):
                 self.tokenizer, new, transcript.last_generated_id, tools
             )
             prompt = transcript.token_ids() + observation
-        sampling = self.rules.options(session, request.sampling, len(observation), stops)
+        sampling = self.rules.options(
+            session, request.sampling, len(observation), self._turn_end_ids
+        )
         return TurnPlan(request, prompt, observation, sampling)
 
     def answer(
@@ -242,7 +243,7 @@ class TextCompletion(Conversation[CompletionRequest]):
     def plan(
         self, session: AgentSession, request: CompletionRequest
     ) -> TurnPlan[CompletionRequest]:
-        stops = self.rules.stop_token_ids(request.sampling)
+        self.rules.check(request.sampling)
         text = request.prompt_text or ""
         if session.transcript.num_turns:
             shown = session.dialogue.text
@@ -251,17 +252,25 @@ class TextCompletion(Conversation[CompletionRequest]):
                     "the prompt does not start with the previous prompt and the text "
                     "returned for it"
                 )
-            new_ids = encode(self.tokenizer, text[len(shown) :])
+            added = text[len(shown) :]
+            # The text held back from the last answer (the stop string that ended it) is
+            # among the recorded tokens already: an agent that writes it back (a ReAct
+            # agent's "\nObservation:") does not add it twice.
+            held_back = session.dialogue.held_back
+            if held_back and added.startswith(held_back):
+                added = added[len(held_back) :]
+            new_ids = encode(self.tokenizer, added)
             prompt = session.transcript.token_ids() + new_ids
         else:
             new_ids, prompt = [], encode(self.tokenizer, text)
-        return _completion_plan(self.rules, session, request, prompt, new_ids, stops)
+        return _completion_plan(self.rules, session, request, prompt, new_ids)
 
     def answer(
         self, session: AgentSession, plan: TurnPlan[CompletionRequest], result: TurnResult
     ) -> TurnResult:
         # The text history is known while the agent sends text.
         session.dialogue.text = (plan.request.prompt_text or "") + result.text
+        session.dialogue.held_back = result.held_back
         return result
 
 
@@ -273,14 +282,14 @@ class TokenCompletion(Conversation[CompletionRequest]):
     def plan(
         self, session: AgentSession, request: CompletionRequest
     ) -> TurnPlan[CompletionRequest]:
-        stops = self.rules.stop_token_ids(request.sampling)
+        self.rules.check(request.sampling)
         recorded = session.transcript.token_ids()
         ids = list(request.prompt_token_ids or ())
         num_turns = session.transcript.num_turns
         if num_turns and ids[: len(recorded)] != recorded:
             raise diverged("prompt token ids do not start with the session's tokens")
         new_ids = ids[len(recorded) :] if num_turns else []
-        return _completion_plan(self.rules, session, request, ids, new_ids, stops)
+        return _completion_plan(self.rules, session, request, ids, new_ids)
 
     def answer(
         self, session: AgentSession, plan: TurnPlan[CompletionRequest], result: TurnResult
@@ -295,11 +304,10 @@ def _completion_plan(
     request: CompletionRequest,
     prompt: list[int],
     new_ids: list[int],
-    stops: tuple[int, ...],
 ) -> TurnPlan[CompletionRequest]:
     if not prompt:
         raise invalid("the prompt is empty", "prompt")
-    sampling = rules.options(session, request.sampling, len(new_ids), stops)
+    sampling = rules.options(session, request.sampling, len(new_ids))
     return TurnPlan(request, prompt, new_ids, sampling)
 
 

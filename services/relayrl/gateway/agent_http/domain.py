@@ -100,7 +100,11 @@ class TurnSampling:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    # Strings that end the generation, found on the detokenised text as vLLM finds them; the
+    # returned text leaves the one found out unless include_stop_str_in_output.
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    top_logprobs: int = 0  # alternatives per token the answer shows, from the engine
     structured_outputs: Mapping[str, Any] | None = None
 
 
@@ -162,7 +166,8 @@ class TurnResult:
     prompt_token_ids: tuple[int, ...]  # what the engine was given
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
-    text: str  # the generated text, special tokens skipped
+    # The generated text, special tokens skipped, up to the stop string that ended it.
+    text: str
     # OpenAI's reason: "stop", "length" or "tool_calls".
     finish_reason: str
     replica_id: str
@@ -171,6 +176,12 @@ class TurnResult:
     # Chat only: the assistant message as returned (and expected back in the next request).
     content: str | None = None
     tool_calls: tuple[dict[str, Any], ...] = ()
+    # The generated text after `text`: the stop string that ended the generation (unless it
+    # was asked for) and what its last token decodes to beyond it. Recorded, not returned.
+    held_back: str = ""
+    # Per token, the engine's most likely alternatives as (token id, log-prob), best first;
+    # empty unless the request asked for top_logprobs.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclass(frozen=True)

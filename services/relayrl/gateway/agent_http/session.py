@@ -93,6 +93,7 @@ class Dialogue:
     messages: list[dict[str, Any]] = field(default_factory=list)  # incl. the replies returned
     tools: list[dict[str, Any]] | None = None
     text: str | None = None  # completions on text: prompt + returned texts
+    held_back: str = ""  # the last answer's generated text not returned (its stop string)
     last_answer: Answered | None = None
 
 
@@ -123,6 +124,10 @@ class Activity:
     generating: asyncio.Task[Generation] | None = None
     ending: bool = False
     abort_reason: str = ""
+    # Why the last request failed on our side (the engine, no replica, the gateway); empty
+    # once a request is answered. An agent that exits 0 right after such a failure has caught
+    # it, and its episode is the infrastructure's failure, not an answer.
+    last_failure: str = ""
 
     @property
     def busy(self) -> bool:

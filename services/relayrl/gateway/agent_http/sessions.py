@@ -12,7 +12,9 @@ gives up.
 
 Ending a session: close puts the trajectory as finished (the reward-service scores it); abort
 puts it as failed (is_infra) with the reason, and a session in which nothing was generated is
-discarded (nothing written; a caller that claimed the group keeps its claim). Sessions idle for
+discarded (nothing written; a caller that claimed the group keeps its claim). An agent that
+exits 0 without closing ends its session as a close, unless that ending is the
+infrastructure's (`end_on_exit`). Sessions idle for
 `session_idle_timeout_s` are aborted; a claim lost while the session runs ends it (nothing
 can be written under it any more)."""
 
@@ -48,7 +50,12 @@ from relayrl.gateway.agent_http.store import AgentGroupStore, TrajectoryRefused
 from relayrl.gateway.config import AgentHttpConfig
 from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
 from relayrl.gateway.rollout import EngineTimeout, StickySession
-from relayrl.inference.client import EngineError, EngineRejected, Generation
+from relayrl.inference.client import (
+    EngineError,
+    EngineRejected,
+    Generation,
+    text_before_stop,
+)
 from relayrl.tq import TransferQueue
 from relayrl.tq.errors import TQError
 
@@ -58,6 +65,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_ENDED_REMEMBERED = 4096
+# A request that failed with one of these failed on our side, not the agent's.
+INFRASTRUCTURE_ERRORS = frozenset({ErrorKind.ENGINE, ErrorKind.UNAVAILABLE})
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,27 @@ class AgentSessions:
             return self._forget(session, session.end("discarded", reason))
         return await self._put(session, failed=False, reason="", env_reward=env_reward)
 
+    async def end_on_exit(self, session_id: str, who: str) -> SessionEnd:
+        """The agent driving the session is done with it (its process exited 0, its served
+        task reported success) without closing it: the episode is over, and its trajectory is
+        what the policy generated. It is closed without an environment reward, unless the
+        ending is the infrastructure's: nothing was generated (discarded), a request is still
+        being answered, or the last request failed on our side (aborted, failed as infra).
+        `who` says who ended it, for the reason ("agent 'x' exited 0")."""
+        if session_id in self._ended:
+            return self._ended[session_id]
+        session = self.get(session_id)
+        activity = session.activity
+        if activity.busy:
+            reason = f"{who} while its request was still being answered"
+        elif not len(session.transcript.response):
+            reason = f"{who} with no generation"
+        elif activity.last_failure:
+            reason = f"{who} after its last request failed: {activity.last_failure}"
+        else:
+            return await self.close_session(session_id)
+        return await self.abort(session_id, reason)
+
     async def abort(self, session_id: str, reason: str) -> SessionEnd:
         """Put the trajectory as failed (is_infra) with `reason`; discard a session that
         generated nothing. A request in flight is cancelled."""
@@ -311,8 +341,18 @@ class AgentSessions:
         answered = session.dialogue.last_answer
         if answered is not None and answered.fingerprint == key:
             return answered.result
-        plan = conversation.plan(session, request)
-        return await self._turn(session, Answering(conversation, plan, key))
+        try:
+            plan = conversation.plan(session, request)
+            result = await self._turn(session, Answering(conversation, plan, key))
+        except AgentError as exc:
+            if exc.kind in INFRASTRUCTURE_ERRORS:
+                session.activity.last_failure = exc.message
+            raise
+        except Exception as exc:
+            session.activity.last_failure = f"the gateway failed: {type(exc).__name__}: {exc}"
+            raise
+        session.activity.last_failure = ""
+        return result
 
     def _ready(self, session_id: str, kind: SessionKind) -> AgentSession:
         session = self.get(session_id)
@@ -399,6 +439,10 @@ class AgentSessions:
         spans = session.transcript.record(
             plan.engine_prompt, plan.observation, generation, replica_id
         )
+        decoded = self.tokenizer.decode(list(generation.token_ids), skip_special_tokens=True)
+        text, held_back = text_before_stop(
+            decoded, generation.stop_string, plan.request.sampling.include_stop_str_in_output
+        )
         result = TurnResult(
             session_id=session.session_id,
             turn=turn,
@@ -406,10 +450,12 @@ class AgentSessions:
             prompt_token_ids=tuple(plan.engine_prompt),
             token_ids=generation.token_ids,
             logprobs=generation.logprobs,
-            text=self.tokenizer.decode(list(generation.token_ids), skip_special_tokens=True),
+            text=text,
             finish_reason=_openai_finish_reason(generation.finish_reason),
             replica_id=replica_id,
             version_spans=spans,
+            held_back=held_back,
+            top_logprobs=generation.top_logprobs,
         )
         result = answering.conversation.answer(session, plan, result)
         session.dialogue.last_answer = Answered(answering.fingerprint, result)

@@ -1,5 +1,5 @@
 """The policy's chat template as an agent session uses it: the first turn's prompt, the tokens
-between a generation and the next one when any messages follow it, and single-token stops.
+between a generation and the next one when any messages follow it.
 Failures are the agent's (`AgentError`, 400): the template refused what the agent sent."""
 
 from __future__ import annotations
@@ -80,17 +80,3 @@ def message_key(message: Mapping[str, Any]) -> str:
     key = dict(message)
     key["content"] = (key.get("content") or "").strip()
     return json.dumps(key, sort_keys=True)
-
-
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stops: Sequence[str]) -> tuple[int, ...]:
-    ids = []
-    for stop in stops:
-        encoded = encode(tokenizer, stop)
-        if len(encoded) != 1:
-            raise invalid(
-                f"stop {stop!r} is {len(encoded)} tokens; the gateway stops on single tokens only "
-                "(e.g. '</tool_call>'); drop it or use a one-token stop",
-                "stop",
-            )
-        ids.append(encoded[0])
-    return tuple(ids)

@@ -151,10 +151,14 @@ class SamplingFields(Protocol):
     stop: tuple[str, ...]
     structured_outputs: dict[str, Any] | None
     response_format: dict[str, Any] | None
+    include_stop_str_in_output: bool
     stream: bool
     stream_options: dict[str, Any] | None
-    logprobs: bool
     return_token_ids: bool
+
+    def logprob_alternatives(self) -> int | None:
+        """None: no log-probs in the answer; else the alternatives per token besides the
+        sampled one (0: the sampled token's log-prob only)."""
 
 
 def sampling_of(request: SamplingFields) -> TurnSampling:
@@ -166,6 +170,8 @@ def sampling_of(request: SamplingFields) -> TurnSampling:
         top_k=None if request.top_k in (None, 0) else request.top_k,
         seed=request.seed,
         stop=request.stop,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        top_logprobs=request.logprob_alternatives() or 0,
         structured_outputs=checks.structured_outputs(
             request.structured_outputs, request.response_format
         ),
@@ -179,15 +185,18 @@ class AnswerOptions:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token, from the engine
     return_token_ids: bool = False
 
     @classmethod
     def of(cls, request: SamplingFields) -> AnswerOptions:
         stream_options = request.stream_options or {}
+        alternatives = request.logprob_alternatives()
         return cls(
             stream=request.stream,
             include_usage=request.stream and bool(stream_options.get("include_usage")),
-            logprobs=request.logprobs,
+            logprobs=alternatives is not None,
+            top_logprobs=alternatives or 0,
             return_token_ids=request.return_token_ids,
         )
 
@@ -272,3 +281,15 @@ class RelayrlInfo(Answer):
 
 # The text of each token id, one by one (the tokenizer's decode).
 TokenTexts = Callable[[Sequence[int]], list[str]]
+
+
+def top_logprobs_of(
+    result: TurnResult, token_texts: TokenTexts, top: int
+) -> list[list[tuple[str, float]]]:
+    """Per generated token, its `top` most likely alternatives as (text, log-prob), most
+    likely first (none when `top` is 0)."""
+    if not top or not result.top_logprobs:
+        return [[] for _ in result.token_ids]
+    ranked = [position[:top] for position in result.top_logprobs]
+    texts = iter(token_texts([token for position in ranked for token, _ in position]))
+    return [[(next(texts), logprob) for _, logprob in position] for position in ranked]

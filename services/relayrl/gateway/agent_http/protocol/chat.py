@@ -36,6 +36,7 @@ from relayrl.gateway.agent_http.protocol.base import (
     checked,
     checked_if_absent,
     sampling_of,
+    top_logprobs_of,
 )
 
 
@@ -58,13 +59,17 @@ class ChatCompletionRequest(OpenAIRequest):
     top_p: TopP = None
     seed: Seed = None
     stop: Stop = ()
+    include_stop_str_in_output: Flag = False  # vLLM's
     structured_outputs: StructuredOutputs = None
     response_format: ResponseFormat = checked_if_absent()
     stream: Flag = False
     stream_options: Object = None
     logprobs: Flag = False
-    top_logprobs: Annotated[Any, checked(checks.check_top_logprobs)] = None
+    top_logprobs: Annotated[int, checked(checks.check_top_logprobs, after="logprobs")] = 0
     return_token_ids: Flag = False
+
+    def logprob_alternatives(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
 
     def to_domain(self) -> ChatRequest:
         return ChatRequest(
@@ -97,23 +102,40 @@ class ChatMessage(Answer):
     tool_calls: list[ToolCall] | None = None
 
 
+class ChatTopLogprob(Answer):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class ChatTokenLogprob(Answer):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any] = Field(default_factory=list)
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(Answer):
     content: list[ChatTokenLogprob]
 
     @classmethod
-    def of(cls, result: TurnResult, token_texts: TokenTexts) -> ChatLogprobs:
+    def of(cls, result: TurnResult, token_texts: TokenTexts, top: int) -> ChatLogprobs:
         texts = token_texts(result.token_ids)
+        alternatives = top_logprobs_of(result, token_texts, top)
         return cls(
             content=[
-                ChatTokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-                for text, logprob in zip(texts, result.logprobs, strict=True)
+                ChatTokenLogprob(
+                    token=text,
+                    logprob=logprob,
+                    bytes=list(text.encode()),
+                    top_logprobs=[
+                        ChatTopLogprob(token=alt, logprob=alt_logprob, bytes=list(alt.encode()))
+                        for alt, alt_logprob in position
+                    ],
+                )
+                for text, logprob, position in zip(
+                    texts, result.logprobs, alternatives, strict=True
+                )
             ]
         )
 
@@ -151,7 +173,11 @@ class ChatCompletionResponse(Answer):
         choice = ChatChoice(
             message=message,
             finish_reason=result.finish_reason,
-            logprobs=ChatLogprobs.of(result, token_texts) if options.logprobs else None,
+            logprobs=(
+                ChatLogprobs.of(result, token_texts, options.top_logprobs)
+                if options.logprobs
+                else None
+            ),
             token_ids=list(result.token_ids) if options.return_token_ids else None,
         )
         return cls(

@@ -163,17 +163,24 @@ def check_response_format(
     return response_format
 
 
-def check_top_logprobs(value: Any, name: str) -> Any:
-    if value not in (None, 0):
-        raise invalid("top_logprobs: only the sampled token's log-prob is kept", name)
-    return value
+# The alternatives per token the gateway passes on from the engine (OpenAI's limits: 20 for
+# chat's top_logprobs, 5 for completions' logprobs; vLLM serves up to its max_logprobs, 20).
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 
-def check_completion_logprobs(value: Any, name: str) -> bool:
-    """Completions' logprobs is the number of alternatives per token: 0 or absent here."""
-    if value is not None and (isinstance(value, bool) or value != 0):
-        raise invalid("logprobs: 0 (the sampled token's log-prob only) or absent", name)
-    return value is not None
+def check_top_logprobs(value: Any, name: str, logprobs: bool | None) -> int:
+    """Chat's top_logprobs: the alternatives per token, with logprobs true."""
+    count = number(0, MAX_TOP_LOGPROBS, integer=True)(value, name)
+    if count and not logprobs:
+        raise invalid("top_logprobs needs logprobs: true", name)
+    return count or 0
+
+
+def check_completion_logprobs(value: Any, name: str) -> int | None:
+    """Completions' logprobs: the alternatives per token besides the sampled one (0 for the
+    sampled token's log-prob only), or None for no log-probs."""
+    return number(0, MAX_COMPLETION_LOGPROBS, integer=True)(value, name)
 
 
 # --- chat --------------------------------------------------------------------------------------

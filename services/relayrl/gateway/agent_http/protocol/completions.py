@@ -37,6 +37,7 @@ from relayrl.gateway.agent_http.protocol.base import (
     checked,
     checked_if_absent,
     sampling_of,
+    top_logprobs_of,
 )
 
 
@@ -59,13 +60,17 @@ class CompletionsRequest(OpenAIRequest):
     top_p: TopP = None
     seed: Seed = None
     stop: Stop = ()
+    include_stop_str_in_output: Flag = False  # vLLM's
     structured_outputs: StructuredOutputs = None
     response_format: ResponseFormat = checked_if_absent()
     stream: Flag = False
     stream_options: Object = None
-    # The number of alternatives per token: only 0 (the sampled token's log-prob) is served.
-    logprobs: Annotated[bool, checked(checks.check_completion_logprobs)] = False
+    # The number of alternatives per token besides the sampled one (0: its log-prob only).
+    logprobs: Annotated[int | None, checked(checks.check_completion_logprobs)] = None
     return_token_ids: Flag = False
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     def to_domain(self) -> CompletionRequest:
         if isinstance(self.prompt, str):
@@ -79,17 +84,23 @@ class CompletionsRequest(OpenAIRequest):
 class CompletionLogprobs(Answer):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: None = None
+    top_logprobs: list[dict[str, float]] | None = None
     text_offset: list[int]
 
     @classmethod
-    def of(cls, result: TurnResult, token_texts: TokenTexts) -> CompletionLogprobs:
+    def of(cls, result: TurnResult, token_texts: TokenTexts, top: int) -> CompletionLogprobs:
         texts = token_texts(result.token_ids)
         offsets, position = [], 0
         for text in texts:
             offsets.append(position)
             position += len(text)
-        return cls(tokens=texts, token_logprobs=list(result.logprobs), text_offset=offsets)
+        alternatives = top_logprobs_of(result, token_texts, top) if top else None
+        return cls(
+            tokens=texts,
+            token_logprobs=list(result.logprobs),
+            top_logprobs=[dict(at) for at in alternatives] if alternatives is not None else None,
+            text_offset=offsets,
+        )
 
 
 class CompletionChoice(Answer):
@@ -136,8 +147,8 @@ class CompletionResponse(Answer):
 
     def chunks(self, options: AnswerOptions) -> Iterator[Answer]:
         """Streamed: the whole answer as one event, then (if asked) the usage."""
-        yield self
-        if options.include_usage:
+        yield self.model_copy(update={"usage": None})
+        if options.include_usage and self.usage is not None:
             yield CompletionUsageChunk(
                 id=self.id, created=self.created, model=self.model, usage=self.usage
             )
