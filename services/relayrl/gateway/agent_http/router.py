@@ -65,7 +65,14 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     except web.HTTPException as exc:  # no route (404), wrong method (405), body too large (413)
         if exc.status < 400:
             raise
-        body = ErrorResponse.plain(exc.text or exc.reason, ErrorKind.INVALID.value)
+        message = exc.text or exc.reason
+        if exc.status == 404:
+            message = (
+                f"no route {request.method} {request.path}; a session serves "
+                "/sessions/<id>/v1/chat/completions, /v1/completions and /v1/models "
+                "(docs/openai-surface.md)"
+            )
+        body = ErrorResponse.plain(message, ErrorKind.INVALID.value)
         return _json(body, exc.status)
     except Exception:
         logger.exception("agent HTTP %s %s failed", request.method, request.path)

@@ -121,7 +121,7 @@ class CompletionResponse(Answer):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage
+    usage: Usage | None  # None in a streamed chunk: the usage comes last, if asked for
     relayrl: RelayrlInfo
     prompt_token_ids: list[int] | None = None
 
@@ -132,7 +132,11 @@ class CompletionResponse(Answer):
         choice = CompletionChoice(
             text=result.text,
             finish_reason=result.finish_reason,
-            logprobs=CompletionLogprobs.of(result, token_texts) if options.logprobs else None,
+            logprobs=(
+                CompletionLogprobs.of(result, token_texts, options.top_logprobs)
+                if options.logprobs
+                else None
+            ),
             token_ids=list(result.token_ids) if options.return_token_ids else None,
         )
         return cls(
