@@ -17,6 +17,10 @@ time. The sides:
     openai    the same agent written with the `openai` client (examples/agents/
               openai_tool_agent.py), one process per sample: importing `openai` costs about a
               CPU-second per process, which here competes with the engine for two cores
+    sdk       the same agent written with the OpenAI Agents SDK (examples/agents/
+              agents_sdk_agent.py, in the SDK's virtual environment) on the Responses API,
+              served
+    sdk-chat  the same SDK agent on chat completions (`--chat-completions`), served
 
 The agents send the same tools as the built-in loop, so the prompts are the same tokens. The
 turns differ: when the policy writes a malformed tool call, the built-in loop answers with an
@@ -61,7 +65,10 @@ SIDES = {
     "external": "served",
     "process": "process",
     "openai": "openai",
+    "sdk": "sdk",
+    "sdk-chat": "sdk-chat",
 }
+SDK_PYTHON = AGENTS.parents[1] / ".venv" / "share" / "venvs" / "agents-sdk" / "bin" / "python"
 
 
 @dataclass
@@ -165,9 +172,10 @@ def run_side(
 
 
 def gateway_config(redis_url: str, model_dir: Path, engine_url: str, concurrency: int) -> dict:
-    def agent(script: str, serve: bool = False) -> dict:
+    def agent(script: str, serve: bool = False, python: Path | None = None, *more: str) -> dict:
+        command = [str(python or sys.executable), str(AGENTS / script), *more]
         return {
-            "command": [sys.executable, str(AGENTS / script), *(["--serve"] if serve else [])],
+            "command": [*command, *(["--serve"] if serve else [])],
             "serve": serve,
             "max_concurrent": concurrency,
             "deadline_s": ROUND_TIMEOUT_S,
@@ -185,6 +193,8 @@ def gateway_config(redis_url: str, model_dir: Path, engine_url: str, concurrency
                 "served": agent("http_tool_agent.py", serve=True),
                 "process": agent("http_tool_agent.py"),
                 "openai": agent("openai_tool_agent.py"),
+                "sdk": agent("agents_sdk_agent.py", True, SDK_PYTHON),
+                "sdk-chat": agent("agents_sdk_agent.py", True, SDK_PYTHON, "--chat-completions"),
             }
         },
     }
@@ -278,6 +288,9 @@ def report(args: argparse.Namespace, results: dict[str, list[Result]]) -> None:
     for side in ("process", "openai"):
         print(f"{side}/builtin={median(side, lambda r: r.rate) / builtin:.2f}", end="  ")
     print("(one process per sample)")
+    for side in ("sdk", "sdk-chat"):
+        print(f"{side}/builtin={median(side, lambda r: r.rate) / builtin:.2f}", end="  ")
+    print("(the Agents SDK, served, on the Responses API and on chat completions)")
     sessions = median("external", lambda r: r.sessions / r.seconds)
     print(f"agents-bench: external/builtin={external / builtin:.2f} sessions_per_s={sessions:.2f}")
 

@@ -1,7 +1,8 @@
 """The same tool agent written with a real agent framework: the OpenAI Agents SDK
 (`openai-agents`), unchanged but for where its model lives. The SDK runs the turn loop: it
-sends chat completions to the session, calls the tools the model asks for, feeds their results
-back, and stops when the model answers.
+sends Responses API requests (its default for OpenAI models; `--chat-completions` for chat
+completions) to the session, calls the tools the model asks for, feeds their results back, and
+stops when the model answers.
 
 `make setup` builds the SDK's own virtual environment (it pins `websockets` below what relayrl's
 lock has), so the agent runs with that interpreter:
@@ -12,9 +13,10 @@ lock has), so the agent runs with that interpreter:
 Importing the SDK takes about two CPU-seconds, so with `--serve` (and `agent.serve: true`) one
 process takes every sample's task instead.
 
-Only two settings point the SDK at relayrl: the model is `OpenAIChatCompletionsModel` on an
-`AsyncOpenAI` client on the sample's session (OPENAI_BASE_URL / OPENAI_API_KEY, or the task's
-`base_url` / `api_key` when served), and tracing is off (it would export to OpenAI's servers).
+Only two settings point the SDK at relayrl: the model is `OpenAIResponsesModel` (or
+`OpenAIChatCompletionsModel`) on an `AsyncOpenAI` client on the sample's session
+(OPENAI_BASE_URL / OPENAI_API_KEY, or the task's `base_url` / `api_key` when served), and
+tracing is off (it would export to OpenAI's servers).
 The tools are `FunctionTool`s with the schemas the gateway's own tools have, so the prompt
 renders as for relayrl's `tool_agent`. When the model stops without `Answer: <integer>`, the
 agent asks once more for it, as the other example agents do.
@@ -32,12 +34,15 @@ from agents import (
     FunctionTool,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
     Runner,
     set_tracing_disabled,
 )
 from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
 from openai import AsyncOpenAI
 from tools import MAX_TURNS, NUDGE, TOOLS, close_session, needs_nudge, run_tool, session_of
+
+MODEL = OpenAIChatCompletionsModel if "--chat-completions" in sys.argv else OpenAIResponsesModel
 
 
 def sdk_tools(labels: dict[str, str]) -> list[FunctionTool]:
@@ -63,7 +68,7 @@ async def solve(task: dict[str, Any]) -> None:
     client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=2)
     agent = Agent(
         name="solver",
-        model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+        model=MODEL(model="policy", openai_client=client),
         model_settings=ModelSettings(parallel_tool_calls=None),
         tools=sdk_tools(task["labels"]),
     )

@@ -432,6 +432,119 @@ def test_stop_strings_of_any_length_end_a_turn_on_both_routes_as_vllm_ends_it(
     assert len(top) == len(generated) and all(1 <= len(at) <= 2 for at in top)
 
 
+def test_the_responses_api_is_served_as_chat_and_recorded_the_same_way(
+    redis_server: RedisServer,
+    model_dir: Path,
+    engine: EngineProcess,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp_path: Path,
+) -> None:
+    """The official client's `responses.create`, as the OpenAI Agents SDK sends it: a function
+    call (steered), its output fed back with the call items as returned, an answer, then a
+    streamed turn after a user message. The session records one trajectory, whose turns are
+    the chat template's rendering of the same conversation, and whose answers the client
+    parses as `Response` objects and stream events."""
+    question = "What is 2 + 2? Use the tool."
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+
+    async def agent(gw: Gateway, session_id: str) -> list[Any]:
+        client = gw.agent(session_id)
+        items: list[Any] = [{"role": "user", "content": question}]
+        first = await client.responses.create(
+            model=MODEL,
+            instructions="You add numbers.",
+            input=items,
+            tools=tools,
+            max_output_tokens=60,
+            extra_body={"structured_outputs": {"regex": call_regex("add", a=2, b=2)}},
+        )
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        items += [item.model_dump(exclude_none=True) for item in first.output]
+        items.append({"type": "function_call_output", "call_id": call.call_id, "output": "4"})
+        second = await client.responses.create(
+            model=MODEL,
+            instructions="You add numbers.",
+            input=items,
+            tools=tools,
+            max_output_tokens=20,
+            extra_body={"structured_outputs": {"regex": re.escape("Answer: 4")}},
+        )
+        items += [item.model_dump(exclude_none=True) for item in second.output]
+        items.append({"role": "user", "content": "Thanks. Say more."})
+        stream = await client.responses.create(
+            model=MODEL,
+            instructions="You add numbers.",
+            input=items,
+            tools=tools,
+            max_output_tokens=8,
+            stream=True,
+            include=["message.output_text.logprobs"],
+            top_logprobs=2,
+        )
+        events = [event async for event in stream]
+        return [first, second, events]
+
+    tq = TransferQueue(redis_server.client())
+    with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
+        gw = Gateway(process)
+        session_id = asyncio.run(gw.open(data_source="env"))
+        first, second, events = asyncio.run(agent(gw, session_id))
+        status, end = asyncio.run(gw.post(f"/sessions/{session_id}/close"))
+    try:
+        (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [end["trajectory_key"]])
+    finally:
+        tq.close()
+
+    assert status == 200 and end["num_turns"] == 3
+    (call,) = first.output
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call",
+        "add",
+        {"a": 2, "b": 2},
+    )
+    assert first.status == "completed" and first.usage.output_tokens > 0
+    (message,) = second.output
+    assert message.type == "message" and second.output_text == "Answer: 4"
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
+    final = events[-1].response
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text_done = next(event for event in events if event.type == "response.output_text.done")
+    assert text_done.text == final.output_text
+    assert all(len(entry.top_logprobs) == 2 for entry in text_done.logprobs)
+    assert len(text_done.logprobs) == final.usage.output_tokens
+
+    # The trajectory is the chat route's record of the same conversation.
+    conversation = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": question},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": "add", "arguments": call.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "4"},
+        {"role": "assistant", "content": "Answer: 4"},
+        {"role": "user", "content": "Thanks. Say more."},
+    ]
+    head = tokenizer.apply_chat_template(
+        conversation, tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    generated = [s for s in trajectory.spans if s.generated]
+    assert len(generated) == 3 and not trajectory.tags.is_infra
+    response = list(trajectory.response_token_ids)
+    recorded = tokenizer.decode(list(trajectory.prompt_token_ids) + response[: generated[2].start])
+    assert recorded.replace("<|endoftext|>", "") == head
+
+
 # --- what agents get wrong --------------------------------------------------------------------
 
 

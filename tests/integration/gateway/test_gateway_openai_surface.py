@@ -59,6 +59,12 @@ def completion(name: str, refused: str | None = None, **fields: Any) -> Shape:
     return Shape("completions", name, {"model": MODEL, "prompt": "2 + 3 =", **fields}, refused)
 
 
+def responses(name: str, refused: str | None = None, **fields: Any) -> Shape:
+    return Shape("responses", name, {"model": MODEL, "input": HELLO, **fields}, refused)
+
+
+RESPONSES_TOOL = {"type": "function", **TOOL["function"]}
+
 SHAPES = [
     chat("plain"),
     chat("system and user", messages=[{"role": "system", "content": "Be brief."}, *HELLO]),
@@ -128,9 +134,71 @@ SHAPES = [
     completion("n: 2", "n", n=2),
     completion("best_of: 2", "best_of", best_of=2),
     completion("response_format: json_object", response_format={"type": "json_object"}),
-    Shape("responses", "input text", {"model": MODEL, "input": "What is 2 + 3?"}, "(route)"),
+    responses("input: a string", input="What is 2 + 3?"),
+    responses(
+        "input: message items",
+        input=[
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "2 + 3?"}],
+            }
+        ],
+    ),
+    responses("instructions", instructions="Be brief."),
+    responses("function tools", tools=[RESPONSES_TOOL]),
+    responses(
+        "function_call and its output",
+        tools=[RESPONSES_TOOL],
+        input=[
+            *HELLO,
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "add",
+                "arguments": '{"a": 2, "b": 3}',
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "5"},
+        ],
+    ),
+    responses("tool_choice: auto", tools=[RESPONSES_TOOL], tool_choice="auto"),
+    responses(
+        "tool_choice: required", "tool_choice", tools=[RESPONSES_TOOL], tool_choice="required"
+    ),
+    responses("built-in tool (web_search)", "tools", tools=[{"type": "web_search"}]),
+    responses("parallel_tool_calls", tools=[RESPONSES_TOOL], parallel_tool_calls=False),
+    responses(
+        "max_output_tokens, temperature, top_p", max_output_tokens=8, temperature=0.7, top_p=0.9
+    ),
+    responses(
+        "text.format: json_schema",
+        text={"format": {"type": "json_schema", "name": "n", "schema": SCHEMA}},
+    ),
+    responses("text.format: json_object", text={"format": {"type": "json_object"}}),
+    responses("stream", stream=True),
+    responses(
+        "include output_text.logprobs, top_logprobs",
+        include=["message.output_text.logprobs"],
+        top_logprobs=3,
+    ),
+    responses(
+        "store, metadata, user, truncation",
+        store=False,
+        metadata={"k": "v"},
+        user="u",
+        truncation="disabled",
+    ),
+    responses("previous_response_id", "previous_response_id", previous_response_id="resp_1"),
+    responses("conversation", "conversation", conversation="conv_1"),
+    responses("reasoning item in input", "input", input=[{"type": "reasoning", "summary": []}]),
+    Shape("embeddings", "any input", {"model": MODEL, "input": "x"}, "(route)"),
 ]
-PATHS = {"chat": "chat/completions", "completions": "completions", "responses": "responses"}
+PATHS = {
+    "chat": "chat/completions",
+    "completions": "completions",
+    "responses": "responses",
+    "embeddings": "embeddings",
+}
 
 
 def gateway_config(redis: RedisServer, model_dir: Path, engine_url: str) -> dict[str, Any]:
@@ -162,12 +230,21 @@ async def walk(base: str) -> list[tuple[Shape, int, dict[str, Any] | None]]:
             error = None
             if status != 200:
                 error = json.loads(raw)["error"]
+            elif shape.body.get("stream") and shape.route == "responses":
+                events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
+                last = json.loads(events[-1][6:])
+                assert last["type"] in ("response.completed", "response.incomplete"), last
+                assert last["response"]["usage"]["output_tokens"] >= 1, last
             elif shape.body.get("stream"):
                 events = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
                 assert events[-1] == "data: [DONE]", (shape.name, raw[-200:])
                 chunks = [json.loads(line[6:]) for line in events[:-1]]
                 usage = [c for c in chunks if c.get("usage")]
                 assert bool(usage) == bool(shape.body.get("stream_options")), shape.name
+            elif shape.route == "responses":
+                answer = json.loads(raw)
+                assert answer["object"] == "response" and answer["output"], answer
+                assert answer["usage"]["output_tokens"] >= 1, answer
             else:
                 answer = json.loads(raw)
                 assert answer["choices"] and answer["usage"]["completion_tokens"] >= 1, answer

@@ -32,6 +32,7 @@ from relayrl.gateway.agent_http.protocol import (
     OpenSessionRequest,
     parse,
 )
+from relayrl.gateway.agent_http.protocol.responses import ResponseObject, ResponsesRequest
 from relayrl.gateway.config import AgentHttpConfig
 
 MODEL = "policy"
@@ -428,3 +429,108 @@ def test_tools_reach_the_template_as_name_description_and_parameters_only() -> N
         == plain.to_domain().tools
         == [{"type": "function", "function": function}]
     )
+
+
+# --- the Responses API ---------------------------------------------------------------------
+
+
+def test_responses_input_items_become_the_chat_conversation_the_gateway_returned() -> None:
+    """The Agents SDK's items: a message with output_text parts and the function calls after
+    it are one assistant turn; a function_call_output is the tool's message."""
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a":1}'}
+    body = {
+        "model": MODEL,
+        "instructions": "Add.",
+        "input": [
+            {"role": "user", "content": "1 + 0?"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Let me add.", "annotations": []}],
+                "status": "completed",
+                "id": "msg_1",
+            },
+            call | {"id": "fc_1", "status": "completed"},
+            {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        ],
+        "tools": [{"type": "function", "name": "add", "parameters": {}, "strict": True}],
+        "max_output_tokens": 9,
+        "text": {"format": {"type": "json_object"}},
+    }
+    request = parse(ResponsesRequest, body, MODEL).to_domain()
+    tool_call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    assert request == ChatRequest(
+        messages=[
+            {"role": "system", "content": "Add."},
+            {"role": "user", "content": "1 + 0?"},
+            {
+                "role": "assistant",
+                "content": "Let me add.",
+                "tool_calls": [tool_call | {"id": "c1"}],
+            },
+            {"role": "tool", "content": "1", "tool_call_id": "c1"},
+        ],
+        tools=[{"type": "function", "function": {"name": "add", "parameters": {}}}],
+        sampling=TurnSampling(max_tokens=9, structured_outputs={"json_object": True}),
+    )
+    # a call with no text before it is an assistant turn of its own
+    alone = parse(ResponsesRequest, {"model": MODEL, "input": [call]}, MODEL).to_domain()
+    assert alone.messages == [
+        {"role": "assistant", "content": "", "tool_calls": [tool_call | {"id": "c1"}]}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"input": []}, "input", "non-empty"),
+        ({"input": "x", "previous_response_id": "r1"}, "previous_response_id", "keeps no"),
+        ({"input": [{"type": "reasoning"}]}, "input", "'reasoning' are not served"),
+        ({"input": "x", "tools": [{"type": "file_search"}]}, "tools", "only function tools"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text", "json_schema"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice", "'auto' or 'none'"),
+    ],
+)
+def test_a_malformed_responses_request_is_refused_naming_the_parameter(
+    body: dict[str, Any], param: str, says: str
+) -> None:
+    refused = refusal(ResponsesRequest, {"model": MODEL, **body})
+    assert refused.param == param and says in refused.message
+
+
+def test_a_response_is_the_reply_and_its_calls_as_output_items_and_streams_as_events() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    result = turn(content="ab", tool_calls=(call,), finish_reason="tool_calls")
+    request = parse(ResponsesRequest, {"model": MODEL, "input": "x"}, MODEL)
+    response = ResponseObject.of(result, MODEL, request, letters)
+    answer = response.model_dump()
+    assert answer["object"] == "response" and answer["status"] == "completed"
+    message, function_call = answer["output"]
+    assert message["content"][0]["text"] == "ab" and message["role"] == "assistant"
+    assert (function_call["call_id"], function_call["name"]) == ("c1", "f")
+    assert answer["usage"]["input_tokens"] == 3 and answer["usage"]["output_tokens"] == 2
+    events = list(response.events())
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert (
+        events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    )
+    assert events[-1]["response"] == answer
+    # a reply cut by its budget is incomplete
+    cut = ResponseObject.of(turn(finish_reason="length"), MODEL, request, letters)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None
+    assert list(cut.events())[-1]["type"] == "response.incomplete"

@@ -4,6 +4,7 @@ every failure in OpenAI's error shape with its status code."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -30,6 +31,11 @@ from relayrl.gateway.agent_http.protocol import (
     SessionOpened,
     SessionState,
     parse,
+)
+from relayrl.gateway.agent_http.protocol.responses import (
+    ResponseObject,
+    ResponsesRequest,
+    event_lines,
 )
 from relayrl.gateway.agent_http.sessions import AgentSessions
 from relayrl.gateway.config import AgentHttpConfig
@@ -69,7 +75,8 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if exc.status == 404:
             message = (
                 f"no route {request.method} {request.path}; a session serves "
-                "/sessions/<id>/v1/chat/completions, /v1/completions and /v1/models "
+                "/sessions/<id>/v1/chat/completions, /v1/completions, /v1/responses and "
+                "/v1/models "
                 "(docs/openai-surface.md)"
             )
         body = ErrorResponse.plain(message, ErrorKind.INVALID.value)
@@ -114,13 +121,18 @@ def _session_id(request: web.Request) -> str:
 
 
 async def _event_stream(request: web.Request, chunks: Iterator[BaseModel]) -> web.StreamResponse:
+    """Chat and completions chunks as server-sent events, ended by `[DONE]`."""
+    lines = (f"data: {json.dumps(chunk.model_dump())}\n\n".encode() for chunk in chunks)
+    return await _stream(request, itertools.chain(lines, [b"data: [DONE]\n\n"]))
+
+
+async def _stream(request: web.Request, lines: Iterator[bytes]) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    for chunk in chunks:
-        await response.write(f"data: {json.dumps(chunk.model_dump())}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
+    for line in lines:
+        await response.write(line)
     await response.write_eof()
     return response
 
@@ -162,6 +174,7 @@ class AgentHttpServer:
             routes += [
                 web.post(f"{prefix}/chat/completions", self.chat),
                 web.post(f"{prefix}/completions", self.complete),
+                web.post(f"{prefix}/responses", self.respond),
                 web.get(f"{prefix}/models", self.models),
             ]
         app.add_routes(routes)
@@ -279,6 +292,16 @@ class AgentHttpServer:
         answer = CompletionResponse.of(result, self._config.model_name, options, self._token_texts)
         if options.stream:
             return await _event_stream(request, answer.chunks(options))
+        return _json(answer)
+
+    async def respond(self, request: web.Request) -> web.StreamResponse:
+        session_id = _session_id(request)
+        self._sessions.get(session_id)
+        body = parse(ResponsesRequest, await _json_body(request), self._config.model_name)
+        result = await self._sessions.chat(session_id, body.to_domain())
+        answer = ResponseObject.of(result, self._config.model_name, body, self._token_texts)
+        if body.stream:
+            return await _stream(request, event_lines(answer.events()))
         return _json(answer)
 
     async def models(self, request: web.Request) -> web.Response:

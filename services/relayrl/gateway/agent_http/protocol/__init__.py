@@ -12,6 +12,7 @@ other field is always there, `null` included, as OpenAI's clients expect.
 
 - `base`: parsing, the shared field types, the answers' base, errors, usage, `relayrl`;
 - `chat`: POST .../v1/chat/completions; `completions`: POST .../v1/completions;
+- `responses`: POST .../v1/responses (OpenAI's Responses API, served as chat);
 - `sessions`: POST /sessions, GET /sessions/{id}, close, abort, and GET .../v1/models.
 """
 
