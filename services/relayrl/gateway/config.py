@@ -240,6 +240,13 @@ class AgentHttpConfig(StrictModel):
         "sessions on, ad-hoc or on a group it claimed; others are refused (403). Null: only "
         "`partition`. The gateway's own external agents (agents.external) are not limited.",
     )
+    segments: bool = Field(
+        True,
+        description="A request that extends none of the session's conversations starts a new "
+        "segment of the same sample (changed tools, an edited system prompt, a rewritten "
+        "scratchpad, a summarised history); every segment is trained with the sample's "
+        "advantage. Off: such a request is refused (409 conversation_diverged).",
+    )
     max_sessions: int = Field(
         10_000, ge=1, le=10_000_000, description="Open sessions at once (429 beyond)."
     )

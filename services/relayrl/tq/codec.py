@@ -126,7 +126,10 @@ class EncodedTrajectory:
     max_policy_version: int
 
 
-def _check_trajectory_shape(traj: common_pb2.Trajectory, where: str) -> None:
+def _check_trajectory_shape(
+    traj: common_pb2.Trajectory | common_pb2.TrajectorySegment, where: str
+) -> None:
+    """One mask byte and one log-prob per response token; spans inside the response."""
     num_tokens = len(traj.response_token_ids)
     if len(traj.response_mask) != num_tokens:
         raise InvalidInputError(
@@ -177,11 +180,15 @@ def encode_trajectory(value: object, partition: str, max_value_bytes: int) -> En
             f"{where} says partition {traj.partition!r} but is put into {partition!r}"
         )
     _check_trajectory_shape(traj, where)
+    for k, segment in enumerate(traj.segments):
+        _check_trajectory_shape(segment, f"{where} segment {k}")
     data = _stored_form(traj, _TRAJECTORY_OWNED).SerializeToString(deterministic=True)
     _check_size(data, where, max_value_bytes)
     # Observation spans (tool output, mask 0) were not sampled by any policy version; a writer
-    # that marks no span as generated gets every span counted.
-    sampled = [span for span in traj.spans if span.generated] or traj.spans
+    # that marks no span as generated gets every span counted. A sample's segments count too.
+    parts = [traj, *traj.segments]
+    spans = [span for part in parts for span in part.spans]
+    sampled = [span for span in spans if span.generated] or spans
     versions = [span.policy_version for span in sampled] or [0]
     return EncodedTrajectory(
         uid=uid,
@@ -189,8 +196,8 @@ def encode_trajectory(value: object, partition: str, max_value_bytes: int) -> En
         key=key,
         digest=digest(data),
         data=data,
-        prompt_len=len(traj.prompt_token_ids),
-        response_len=len(traj.response_token_ids),
+        prompt_len=sum(len(part.prompt_token_ids) for part in parts),
+        response_len=sum(len(part.response_token_ids) for part in parts),
         min_policy_version=min(versions),
         max_policy_version=max(versions),
     )

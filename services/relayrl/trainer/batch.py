@@ -4,6 +4,11 @@ A row is one trajectory: prompt + response tokens, with the response mask, the r
 log-probs (mu) and the reward placed at the response's positions in the full sequence, so that
 `logp_BT[b, t]` (the log-prob of token t given tokens < t) lines up with all of them.
 Observation tokens (tool output) stay in the row as context with mask 0.
+
+A trajectory with segments (an agent that started a new conversation in its session:
+docs/architecture.md#segments) is one sample and several rows: its own fields are one, each
+segment another. The group's advantages are computed over samples; every row of a sample
+takes the sample's advantage, and the loss counts every row's tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class Row:
     max_policy_version: int
     truncated: bool = False
     advantage: float = 0.0
+    segment: int = 0  # 0: the trajectory's own fields; k: its (k-1)-th segment
+    segments: list[Row] = field(default_factory=list)  # the sample's other rows
 
     @property
     def response_len(self) -> int:
@@ -48,7 +55,11 @@ class Row:
 
     @property
     def key(self) -> str:
-        return f"{self.uid}_{self.index}"
+        return f"{self.uid}_{self.index}" + (f"/{self.segment}" if self.segment else "")
+
+    def sample_rows(self) -> list[Row]:
+        """Every row of this sample: its own, then its segments'."""
+        return [self, *self.segments]
 
 
 def is_valid(trajectory: common_pb2.Trajectory) -> bool:
@@ -62,11 +73,29 @@ def is_valid(trajectory: common_pb2.Trajectory) -> bool:
 def row_from_trajectory(
     trajectory: common_pb2.Trajectory, step: int, prompt_step: int, max_seq_len: int
 ) -> Row:
-    prompt = np.asarray(trajectory.prompt_token_ids, dtype=np.int64)
-    response = np.asarray(trajectory.response_token_ids, dtype=np.int64)
+    """The trajectory's row, with a row per segment in its `segments`."""
+    row = _row(trajectory, trajectory, step, prompt_step, max_seq_len)
+    for k, segment in enumerate(trajectory.segments, start=1):
+        segment_row = _row(trajectory, segment, step, prompt_step, max_seq_len)
+        segment_row.segment = k
+        row.segments.append(segment_row)
+    return row
+
+
+def _row(
+    trajectory: common_pb2.Trajectory,
+    tokens: common_pb2.Trajectory | common_pb2.TrajectorySegment,
+    step: int,
+    prompt_step: int,
+    max_seq_len: int,
+) -> Row:
+    """A row of `tokens` (the trajectory itself, or one of its segments), with the
+    trajectory's reward, validity and versions."""
+    prompt = np.asarray(tokens.prompt_token_ids, dtype=np.int64)
+    response = np.asarray(tokens.response_token_ids, dtype=np.int64)
     valid = is_valid(trajectory)
-    response_mask = np.frombuffer(trajectory.response_mask, dtype=np.uint8).astype(np.float32)
-    logp = np.asarray(trajectory.rollout_logprobs, dtype=np.float32)
+    response_mask = np.frombuffer(tokens.response_mask, dtype=np.uint8).astype(np.float32)
+    logp = np.asarray(tokens.rollout_logprobs, dtype=np.float32)
     if valid and (len(response_mask) != len(response) or len(logp) != len(response)):
         raise ValueError(
             f"trajectory {trajectory.uid}_{trajectory.index}: {len(response)} response tokens "
@@ -114,6 +143,10 @@ class ScoredGroup:
     @property
     def valid(self) -> list[bool]:
         return [r.valid for r in self.rows]
+
+    def train_rows(self) -> list[Row]:
+        """Every row the step trains: each sample's own and its segments'."""
+        return [row for sample in self.rows for row in sample.sample_rows()]
 
 
 def scored_groups(

@@ -236,7 +236,9 @@ class Leader:
         # between the one that launched a group's oldest token and the one this step trains;
         # 0 is on-policy.
         metrics.policy_lag = [step - min(r.min_policy_version for r in g.rows) for g in groups]
-        metrics.launched_lengths = [r.response_len for g in groups for r in g.rows]
+        metrics.launched_lengths = [
+            sum(row.response_len for row in r.sample_rows()) for g in groups for r in g.rows
+        ]
         return groups, metrics, sample.waited_s
 
     def _sample_metrics(self, step: int, sample: Sample) -> StepMetrics:

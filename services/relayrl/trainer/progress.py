@@ -269,7 +269,9 @@ class ProgressWatch:
         # A group kept with the filter off whose rewards are all equal trains with no advantage:
         # its tokens count as without signal too, as they would with the filter on.
         bucket = "no_signal" if verdict == "keep" and len(set(valid)) < 2 else verdict
-        self._tokens[bucket] += sum(len(t.response_token_ids) for t in group.trajectories)
+        self._tokens[bucket] += sum(
+            len(part.response_token_ids) for t in group.trajectories for part in (t, *t.segments)
+        )
         if verdict != "keep":
             self._rejected[verdict] += 1
         if verdict == "no_signal":

@@ -89,7 +89,7 @@ class EmulatedUpdater:
     def run(self, groups: list[ScoredGroup]) -> StepResult:
         start = time.perf_counter()
         time.sleep(self._seconds)
-        rows = [r for g in groups for r in g.rows if r.valid]
+        rows = [r for g in groups for r in g.train_rows() if r.valid]
         return StepResult(
             values={"emulated_update": 1.0, "trained_rows": float(len(rows))},
             phases_s={"update": time.perf_counter() - start},
@@ -99,8 +99,9 @@ class EmulatedUpdater:
 def assign_advantages(groups: list[ScoredGroup], algorithm: AlgorithmSettings) -> None:
     inputs = [GroupRewards(g.uid, g.rewards, [not v for v in g.valid]) for g in groups]
     for group, result in zip(groups, group_advantages(inputs, algorithm.advantage), strict=True):
-        for row, advantage in zip(group.rows, result.advantages, strict=True):
-            row.advantage = float(advantage) if row.valid else 0.0
+        for sample, advantage in zip(group.rows, result.advantages, strict=True):
+            for row in sample.sample_rows():  # a sample's segments share its advantage
+                row.advantage = float(advantage) if row.valid else 0.0
 
 
 class PolicyUpdater:
@@ -163,7 +164,7 @@ class PolicyUpdater:
         self._model_s = 0.0
         clock = time.perf_counter()
         assign_advantages(groups, algorithm)
-        rows = [r for g in groups for r in g.rows if r.valid and r.mask.any()]
+        rows = [r for g in groups for r in g.train_rows() if r.valid and r.mask.any()]
         if not rows:
             raise ValueError("a step needs at least one trainable trajectory")
         batch = collate(rows)
@@ -311,7 +312,7 @@ def _pad_rows(batch: TensorBatch, indices: list[int], num_rows: int) -> TensorBa
 
 def _rows_per_group(groups: list[ScoredGroup], rows: list[Row]) -> list[list[int]]:
     position = {id(r): i for i, r in enumerate(rows)}
-    return [[position[id(r)] for r in g.rows if id(r) in position] for g in groups]
+    return [[position[id(r)] for r in g.train_rows() if id(r) in position] for g in groups]
 
 
 def _mini_batches(group_rows: list[list[int]], k: int) -> list[list[int]]:

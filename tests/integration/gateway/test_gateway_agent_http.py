@@ -549,7 +549,11 @@ def test_the_responses_api_is_served_as_chat_and_recorded_the_same_way(
 
 
 def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
-    redis_server: RedisServer, model_dir: Path, engine: EngineProcess, tmp_path: Path
+    redis_server: RedisServer,
+    model_dir: Path,
+    engine: EngineProcess,
+    tokenizer: PreTrainedTokenizerBase,
+    tmp_path: Path,
 ) -> None:
     hello = [{"role": "user", "content": "hello"}]
 
@@ -615,13 +619,15 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
             await gw.agent("missing").chat.completions.create(model=MODEL, messages=hello)
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model=MODEL, messages=hello, max_tokens=10**6)
-        # An agent that edits an earlier turn is refused: the recorded tokens are what the
-        # policy saw.
+        # An agent that edits an earlier turn starts a segment of its own: the recorded
+        # tokens stay what the policy saw (docs/architecture.md#segments).
         edited = [{"role": "user", "content": "HELLO"}, reply, {"role": "user", "content": "?"}]
-        with pytest.raises(openai.ConflictError) as diverged:
-            await client.chat.completions.create(model=MODEL, messages=edited)
-        assert diverged.value.body["code"] == "conversation_diverged"
-        # ... while one that extends it goes on, streamed if it asks.
+        segment = await client.chat.completions.create(
+            model=MODEL, messages=edited, max_tokens=4, extra_body={"return_token_ids": True}
+        )
+        rendered = tokenizer.apply_chat_template(edited, add_generation_prompt=True, tokenize=False)
+        assert segment.model_extra["prompt_token_ids"] == encode(tokenizer, rendered)
+        # ... while one that extends the first conversation goes on, streamed if it asks.
         extended = [*hello, reply, {"role": "user", "content": "go on"}]
         stream = await client.chat.completions.create(
             model=MODEL,
@@ -636,11 +642,11 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
         assert 1 <= chunks[-1].usage.completion_tokens <= 4
 
         state = await gw.get(f"/sessions/{session_id}")
-        assert (state["num_turns"], state["kind"], state["replica"]) == (2, "chat", "engine-0")
+        assert (state["num_turns"], state["kind"], state["replica"]) == (3, "chat", "engine-0")
         assert state["num_response_tokens"] > state["num_turns"]
 
         status, end = await gw.post(f"/sessions/{session_id}/close")
-        assert status == 200 and end["outcome"] == "finished" and end["num_turns"] == 2
+        assert status == 200 and end["outcome"] == "finished" and end["num_turns"] == 3
         ended = await error(path, {"model": MODEL, "messages": extended}, 410)
         assert "closed" in ended["message"]
         no_model = await error(f"/sessions/{await gw.open()}/v1/completions", {"prompt": "x"}, 400)
@@ -661,10 +667,13 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
         recorded = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
         assert second.model_extra["prompt_token_ids"][: len(recorded)] == recorded
         assert len(second.choices[0].logprobs.token_logprobs) == second.usage.completion_tokens
-        with pytest.raises(openai.ConflictError):
-            await client.completions.create(model=MODEL, prompt="Twice upon", max_tokens=5)
+        # a prompt that does not start with the text so far: a segment of its own
+        third = await client.completions.create(
+            model=MODEL, prompt="Twice upon", max_tokens=5, extra_body=token_ids
+        )
+        assert third.model_extra["prompt_token_ids"] == encode(tokenizer, "Twice upon")
         status, end = await gw.post(f"/sessions/{session_id}/close")
-        assert status == 200 and end["num_turns"] == 2, end
+        assert status == 200 and end["num_turns"] == 3, end
 
     with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
         gw = Gateway(process)
@@ -1152,6 +1161,107 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         # what was answered before the request in flight stays on record
         assert cut.tags.is_infra and list(cut.response_token_ids) == [70, 71, 72, engine._im_end]
         await sessions.close()
+        await pool.close()
+
+    tq = TransferQueue(redis_server.client())
+    try:
+        asyncio.run(main(tq))
+    finally:
+        tq.close()
+
+
+def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sample(
+    redis_server: RedisServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Changed tools and a rewritten history start segments, each rendered from its own
+    request; a request that extends an earlier conversation continues that one. The
+    trajectory's own fields are the segment that generated last, the others ride along in
+    the order they started; with segments off, such a request is refused."""
+    hello = [{"role": "user", "content": "hello"}]
+
+    def chat(messages: list[dict[str, Any]], tools: Any = None) -> ChatRequest:
+        return ChatRequest(messages, tools, TurnSampling(max_tokens=8))
+
+    async def main(tq: TransferQueue) -> None:
+        pool = ReplicaPool(health_interval_s=0.1)
+        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        await pool.add("engine-0", engine)
+        engine.script = ["answer"] * 5
+
+        def sessions_with(**config: Any) -> AgentSessions:
+            return AgentSessions(
+                tq=tq,
+                pool=pool,
+                tokenizer=tokenizer,
+                config=AgentHttpConfig(**config),
+                claimer="test",
+                lease_s=60,
+                request_timeout_s=10,
+            )
+
+        sessions = sessions_with()
+        await sessions.start()
+        session_id = (await sessions.open(SessionSpec(data_source="x"))).session_id
+        first = await sessions.chat(session_id, chat(hello))
+        reply = {"role": "assistant", "content": first.content}
+        # the agent binds tools from here on: not an extension, a new segment
+        with_tools = await sessions.chat(
+            session_id, chat([*hello, reply, {"role": "user", "content": "add"}], TOOLS)
+        )
+        # a summarised history: another new segment
+        summary = await sessions.chat(session_id, chat([{"role": "user", "content": "sum: hi"}]))
+        # the first conversation goes on: its segment continues
+        again = await sessions.chat(
+            session_id, chat([*hello, reply, {"role": "user", "content": "again"}])
+        )
+        end = await sessions.close_session(session_id)
+        (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [end.trajectory_key])
+
+        assert [r.turn for r in (first, with_tools, summary, again)] == [0, 1, 2, 3]
+        assert (end.outcome, end.num_turns) == ("finished", 4)
+        generated = [70, 71, 72, engine._im_end]
+
+        def rendered(messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+            return encode(tokenizer, text)
+
+        new_turn = [*hello, reply, {"role": "user", "content": "add"}]
+        assert list(with_tools.prompt_token_ids) == rendered(new_turn, TOOLS)
+        assert list(summary.prompt_token_ids) == rendered([{"role": "user", "content": "sum: hi"}])
+        assert again.prompt_token_ids[: len(first.prompt_token_ids) + 4] == (
+            first.prompt_token_ids + tuple(generated)
+        )
+        # its own fields: the first conversation (which generated last), both turns
+        assert list(trajectory.prompt_token_ids) == list(first.prompt_token_ids)
+        response = list(trajectory.response_token_ids)
+        assert response[:4] == generated and response[-4:] == generated
+        assert [s.turn for s in trajectory.spans if s.generated] == [0, 1]
+        # the others, in the order they started, each a whole conversation of its own
+        assert [list(s.prompt_token_ids) for s in trajectory.segments] == [
+            list(with_tools.prompt_token_ids),
+            list(summary.prompt_token_ids),
+        ]
+        for segment in trajectory.segments:
+            assert list(segment.response_token_ids) == generated
+            assert bytes(segment.response_mask) == b"\x01" * 4
+            assert list(segment.rollout_logprobs) == [-0.5] * 4
+        assert not trajectory.tags.is_infra and trajectory.tags.max_policy_version == 3
+        await sessions.close()
+
+        # with segments off, the same change is refused and the session stays
+        strict = sessions_with(segments=False)
+        await strict.start()
+        engine.script = ["answer"]
+        session_id = (await strict.open(SessionSpec(data_source="x"))).session_id
+        first = await strict.chat(session_id, chat(hello))
+        reply = {"role": "assistant", "content": first.content}
+        with pytest.raises(AgentError) as refused:
+            await strict.chat(session_id, chat([*hello, reply, {"role": "user", "x": 1}], TOOLS))
+        assert refused.value.code == "conversation_diverged"
+        assert "tools differ" in refused.value.message
+        await strict.close()
         await pool.close()
 
     tq = TransferQueue(redis_server.client())

@@ -152,6 +152,8 @@ def _edit(**changes) -> common_pb2.Trajectory:
     for name, value in changes.items():
         if name == "spans":
             traj.spans.extend(value)
+        elif name == "segments":
+            traj.segments.extend(value)
         else:
             traj.ClearField(name)
             field = getattr(traj, name)
@@ -170,6 +172,10 @@ def _edit(**changes) -> common_pb2.Trajectory:
         (_edit(index=-1), "index must be >= 0"),
         (_edit(partition="val"), "says partition 'val'"),
         (_edit(index=5), "index 5 is outside its group's 2 samples"),
+        (
+            _edit(segments=[common_pb2.TrajectorySegment(response_token_ids=[5, 6])]),
+            "segment 0: response_mask has 0 entries for 2",
+        ),
     ],
 )
 def test_malformed_trajectory(tq: TransferQueue, running: str, traj, match: str) -> None:

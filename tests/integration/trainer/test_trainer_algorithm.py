@@ -3,7 +3,9 @@
 - lag 0 (rollout log-probs = the current policy's) with every correction switched on trains
   exactly like a plain on-policy PPO step written out by hand (docs/algorithms.md#decoupled-ppo);
 - pi_old is the step's starting policy for all k local updates (separate_async);
-- one step gives the same weights at DP 1, DP 2 and TP 2 (the loss denominator is global).
+- one step gives the same weights at DP 1, DP 2 and TP 2 (the loss denominator is global);
+- a sample's segments train as rows of their own with the sample's advantage, the loss counting
+  every segment's tokens (docs/architecture.md#segments).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def set_on_policy(model, groups: list[ScoredGroup]) -> None:
     from relayrl.trainer.batch import collate
     from relayrl.trainer.forward import TokenBatch, forward_logprobs
 
-    rows = [r for g in groups for r in g.rows]
+    rows = [r for g in groups for r in g.train_rows()]
     batch = collate(rows)
     logp = forward_logprobs(
         model, TokenBatch(batch.input_ids_BT, batch.lengths_B), micro_batch_size=4
@@ -133,9 +135,10 @@ def hand_written_on_policy_step(model, optimizer, groups, algorithm) -> None:
     for g in groups:
         r = np.asarray(g.rewards)
         adv = (r - r.mean()) / (r.std(ddof=1) + algorithm.advantage.eps)
-        for row, a in zip(g.rows, adv, strict=True):
-            row.advantage = float(a)
-    rows = [row for g in groups for row in g.rows]
+        for sample, a in zip(g.rows, adv, strict=True):
+            for row in [sample, *sample.segments]:  # a sample's segments share its advantage
+                row.advantage = float(a)
+    rows = [row for g in groups for sample in g.rows for row in [sample, *sample.segments]]
     batch = collate(rows)
     num_tokens = float(batch.mask_BT.sum())
     eps_low, eps_high = algorithm.loss.clip.eps_low, algorithm.loss.clip.eps_high
@@ -163,6 +166,63 @@ def test_lag_zero_with_corrections_on_reproduces_on_policy_training(model_dir: P
     initial = make_reference_weights(model_dir)
     moved = max(float((t - initial[n]).abs().max()) for n, t in reference.items())
     assert moved > 1e-3  # three steps really moved the weights
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=moved * 1e-4, msg=name)
+
+
+def with_segments(groups: list[ScoredGroup]) -> list[ScoredGroup]:
+    """Every sample gets a second segment: another prompt, another response, its reward."""
+    rng = np.random.default_rng(7)
+    for group in groups:
+        for row in group.rows:
+            prompt = [1, 9, 8]
+            response = [*rng.integers(3, 500, size=int(rng.integers(3, 9))).tolist(), 2]
+            ids = np.asarray(prompt + response, dtype=np.int64)
+            mask = np.zeros(len(ids), np.float32)
+            mask[len(prompt) :] = 1
+            row.segments.append(
+                Row(
+                    uid=row.uid,
+                    index=row.index,
+                    input_ids=ids,
+                    prompt_len=len(prompt),
+                    mask=mask,
+                    rollout_logp=mask * -3.0,
+                    reward=row.reward,
+                    valid=True,
+                    staleness=1,
+                    min_policy_version=0,
+                    max_policy_version=0,
+                    segment=1,
+                )
+            )
+    return groups
+
+
+def _segments_rank(
+    rank: int, world_size: int, model_dir: Path, path: str
+) -> dict[str, torch.Tensor]:
+    from relayrl.trainer.step import PolicyUpdater
+
+    spec, model, optimizer = build(model_dir, tp=1, lr=0.3, adam_eps=1.0)  # linear in g
+    algorithm = AlgorithmSettings.model_validate({"train_batch_groups": 2, "micro_batch_size": 2})
+    groups = with_segments(make_groups(2, seed=3))
+    set_on_policy(model, groups)
+    if path == "relayrl":
+        PolicyUpdater(algorithm, model, optimizer, NoSchedule()).run(groups)
+    else:
+        hand_written_on_policy_step(model, optimizer, groups, algorithm)
+    return exported(model, spec)
+
+
+def test_a_samples_segments_train_with_its_advantage_and_every_token_counts(
+    model_dir: Path,
+) -> None:
+    [ours] = spawn_ranks(_segments_rank, 1, model_dir, "relayrl")
+    [reference] = spawn_ranks(_segments_rank, 1, model_dir, "reference")
+    initial = make_reference_weights(model_dir)
+    moved = max(float((t - initial[n]).abs().max()) for n, t in reference.items())
+    assert moved > 1e-3
     for name, tensor in reference.items():
         torch.testing.assert_close(ours[name], tensor, rtol=0, atol=moved * 1e-4, msg=name)
 

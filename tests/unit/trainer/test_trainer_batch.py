@@ -85,3 +85,41 @@ def test_mini_batches_never_split_a_group() -> None:
     groups = [[0, 1], [2, 3, 4], [5], [6, 7]]
     assert _mini_batches(groups, 2) == [[0, 1, 2, 3, 4], [5, 6, 7]]
     assert _mini_batches(groups, 1) == [[0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_a_trajectorys_segments_are_rows_of_the_same_sample() -> None:
+    from relayrl.trainer.batch import ScoredGroup
+    from relayrl.trainer.config import AlgorithmSettings
+    from relayrl.trainer.step import assign_advantages
+
+    def sample(index: int, reward: float, segments: int) -> common_pb2.Trajectory:
+        t = stored()
+        t.index, t.reward.score = index, reward
+        for k in range(segments):
+            t.segments.add(
+                prompt_token_ids=[1, 40 + k],
+                response_token_ids=[50 + k, 2],
+                response_mask=bytes([1, 1]),
+                rollout_logprobs=[-0.1, -0.2],
+            )
+        return t
+
+    rows = [
+        row_from_trajectory(sample(0, 1.0, 2), 5, 3, 64),
+        row_from_trajectory(sample(1, 0.0, 0), 5, 3, 64),
+    ]
+    first = rows[0]
+    assert [r.key for r in first.sample_rows()] == ["g_0", "g_0/1", "g_0/2"]
+    assert first.segments[1].input_ids.tolist() == [1, 41, 51, 2]
+    assert first.segments[1].mask.tolist() == [0, 0, 1, 1]
+    assert all(r.reward == 1.0 and r.valid and r.staleness == 3 for r in first.segments)
+    group = ScoredGroup("g", 3, rows)
+    assert group.rewards == [1.0, 0.0]  # the group counts samples, not segments
+    assert len(group.train_rows()) == 4
+    assign_advantages([group], AlgorithmSettings())
+    assert {r.advantage for r in first.sample_rows()} == {first.advantage} and first.advantage > 0
+    # a failed sample's segments are context only, like the sample
+    failed = stored(infra=True)
+    failed.segments.add(prompt_token_ids=[1], response_token_ids=[5], response_mask=b"\x01")
+    (segment,) = row_from_trajectory(failed, 0, 0, 64).segments
+    assert not segment.valid and not segment.mask.any()

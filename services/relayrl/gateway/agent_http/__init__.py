@@ -37,11 +37,14 @@ A session is one trajectory, recorded as the built-in loops record theirs:
   re-tokenised) + the new messages' tokens as the template renders them after an assistant
   turn (observation, response_mask 0, log-prob 0.0). Generated tokens get mask 1, their
   log-probs, and one span per weight version, turn and replica.
-- A request that does NOT extend the conversation (the agent edited, dropped or reordered
-  earlier turns) is refused with 409 `conversation_diverged`: the recorded tokens are what
-  the policy saw, and a trajectory whose context silently changed mid-way would train on a
-  sequence no engine ever produced. An agent that compacts its history opens a new session
-  for the new context.
+- A request that does NOT extend the conversation (the agent changed its tools, edited,
+  dropped or rewrote earlier turns, summarised its history) starts a new *segment* of the
+  same sample: its own prompt, rendered from the request, and its own response. The recorded
+  tokens stay what the policy saw: a context that changed mid-way is never glued onto the old
+  one, which would train on a sequence no engine ever produced. A request that extends an
+  earlier segment continues that one. Every segment is trained with the sample's advantage
+  (docs/architecture.md#segments). With `agent_http.segments: false` such a request is
+  refused with 409 `conversation_diverged` instead.
 Completions requests work the same way on raw text (the new prompt must start with the
 previous prompt + the returned text) or on token ids (they must start with the recorded ids).
 

@@ -4,8 +4,9 @@ text, completions on token ids), chosen from `CONVERSATIONS` by the request's ki
 A strategy plans the turn before anything is generated (the engine prompt: the first request's
 prompt, or the tokens recorded so far plus the new messages' or text's tokens as observation;
 the sampling) and, once the turn is recorded, shapes the answer and remembers what the agent was
-shown, which its next request must extend. A request that does not extend it is refused with
-409 `conversation_diverged`."""
+shown, which its next request must extend. A request that does not extend it fails its plan
+with 409 `conversation_diverged`; the sessions then try the session's other segments and, if it
+extends none, start a new one (`AgentSessions._plan`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from relayrl.gateway.agent_http.domain import (
     TurnSampling,
     fingerprint,
 )
-from relayrl.gateway.agent_http.errors import AgentError, ErrorKind, diverged, invalid
+from relayrl.gateway.agent_http.errors import DIVERGED, AgentError, ErrorKind, diverged, invalid
 from relayrl.gateway.agent_http.session import AgentSession
 from relayrl.gateway.agent_http.template import (
     appended_token_ids,
@@ -80,7 +81,7 @@ class SamplingRules:
         stop_ids: tuple[int, ...] = (),
     ) -> SamplingOptions:
         budget = self._config.max_response_tokens
-        left = budget - len(session.transcript.response) - num_observation_tokens
+        left = budget - session.num_response_tokens - num_observation_tokens
         if left < 1:
             raise AgentError(
                 ErrorKind.INVALID,
@@ -173,7 +174,7 @@ class ChatConversation(Conversation[ChatRequest]):
     ) -> TurnResult:
         request = plan.request
         tools = request.tools or None
-        if result.turn == 0:
+        if session.transcript.num_turns == 1:  # the segment's first turn fixes its tools
             session.dialogue.tools = tools
         content: str | None = result.text
         tool_calls: list[dict[str, Any]] = []
@@ -216,7 +217,7 @@ def _new_messages(
             ErrorKind.CONFLICT,
             "the request adds no message after the assistant's last reply; append the "
             "tool results or the next user turn",
-            code="conversation_diverged",
+            code=DIVERGED,
         )
     return new
 

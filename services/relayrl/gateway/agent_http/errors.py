@@ -31,6 +31,9 @@ def invalid(message: str, param: str | None = None) -> AgentError:
     return AgentError(ErrorKind.INVALID, message, param=param)
 
 
+DIVERGED = "conversation_diverged"
+
+
 def diverged(detail: str) -> AgentError:
     """The request does not extend the session's conversation."""
     return AgentError(
@@ -39,5 +42,5 @@ def diverged(detail: str) -> AgentError:
         "records the tokens the policy saw; an agent that edits earlier turns opens a new "
         "session for the new context",
         param="messages",
-        code="conversation_diverged",
+        code=DIVERGED,
     )

@@ -247,10 +247,10 @@ class AgentHttpServer:
             partition=session.partition,
             uid=session.uid,
             index=session.index,
-            kind=session.dialogue.kind,
+            kind=session.kind,
             num_turns=session.num_turns,
-            num_prompt_tokens=len(session.transcript.prompt),
-            num_response_tokens=len(session.transcript.response),
+            num_prompt_tokens=sum(len(s.transcript.prompt) for s in session.segments),
+            num_response_tokens=session.num_response_tokens,
             replica=session.engine.replica_id,
             busy=session.activity.busy,
         )

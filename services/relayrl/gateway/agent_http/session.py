@@ -1,6 +1,11 @@
 """One agent session: one trajectory, its state kept in a few groups that change for different
-reasons: the claim it writes under, the tokens recorded, the conversation as the agent sees it,
-its clock and what runs in it now."""
+reasons: the claim it writes under, its segments (each the tokens recorded and the
+conversation as the agent sees it), its clock and what runs in it now.
+
+A session is one sample. Most agents hold one conversation, so a session has one segment. An
+agent whose request does not extend any conversation so far (it changed its tools, edited its
+system prompt, rewrote its scratchpad, summarised its history) starts another segment of the
+same sample (docs/architecture.md#segments)."""
 
 from __future__ import annotations
 
@@ -89,7 +94,6 @@ class Answered:
 class Dialogue:
     """The conversation as the agent sees it: the next request must extend it."""
 
-    kind: SessionKind | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)  # incl. the replies returned
     tools: list[dict[str, Any]] | None = None
     text: str | None = None  # completions on text: prompt + returned texts
@@ -134,16 +138,52 @@ class Activity:
         return self.inflight is not None
 
 
+@dataclass
+class Segment:
+    """One conversation of the session: its recorded tokens and what the agent was shown."""
+
+    transcript: Transcript = field(default_factory=Transcript)
+    dialogue: Dialogue = field(default_factory=Dialogue)
+    last_turn: int = -1  # the session's turn that last generated in it
+
+
 class AgentSession:
     def __init__(self, session_id: str, spec: SessionSpec, engine: StickySession) -> None:
         self.session_id = session_id
         self.spec = spec
         self.engine = engine
         self.claim = Claim(claim_id=spec.claim_id)
-        self.transcript = Transcript()
-        self.dialogue = Dialogue()
+        self.kind: SessionKind | None = None  # fixed by the first request
+        self.segments: list[Segment] = []  # those that generated, in the order they started
+        self.current = Segment()  # the one the request being served extends
         self.clock = Clock()
         self.activity = Activity()
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.current.transcript
+
+    @property
+    def dialogue(self) -> Dialogue:
+        return self.current.dialogue
+
+    def candidates(self) -> list[Segment]:
+        """The segments a request may extend, the most recently used first."""
+        return sorted(self.segments, key=lambda segment: -segment.last_turn)
+
+    def start_segment(self) -> None:
+        """The request being served starts a new conversation (kept once it generates)."""
+        self.current = Segment()
+
+    def recorded(self) -> None:
+        """The current segment generated the session's latest turn."""
+        if self.current not in self.segments:
+            self.segments.append(self.current)
+        self.current.last_turn = self.num_turns - 1
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(len(segment.transcript.response) for segment in self.segments)
 
     @property
     def partition(self) -> str:
@@ -159,7 +199,7 @@ class AgentSession:
 
     @property
     def num_turns(self) -> int:
-        return self.transcript.num_turns
+        return sum(segment.transcript.num_turns for segment in self.segments)
 
     @property
     def trajectory_key(self) -> str:
@@ -171,9 +211,9 @@ class AgentSession:
             session_id=self.session_id,
             outcome=outcome,
             trajectory_key=self.trajectory_key if written else "",
-            num_turns=self.transcript.num_turns,
-            num_prompt_tokens=len(self.transcript.prompt),
-            num_response_tokens=len(self.transcript.response),
+            num_turns=self.num_turns,
+            num_prompt_tokens=sum(len(seg.transcript.prompt) for seg in self.segments),
+            num_response_tokens=self.num_response_tokens,
             reason=reason,
         )
 
@@ -185,17 +225,31 @@ class AgentSession:
         reason: str,
         env_reward: EnvReward | None = None,
     ) -> common_pb2.Trajectory:
-        group, transcript = self.claim.group, self.transcript
+        group = self.claim.group
         assert group is not None, "a session with generated tokens has its group"
+        # The segment that generated last holds the final answer: it fills the trajectory's
+        # own fields, which rewards score; the others go along as its segments.
+        last = max(self.segments, key=lambda segment: segment.last_turn)
+        transcript = last.transcript
         rollout = transcript.response.build(
             transcript.prompt,
             tokenizer,
             transcript.finish_reason or "stop",
-            transcript.num_turns,
+            self.num_turns,
             generate_s=self.clock.generate_s,
             tool_s=self.clock.agent_s,  # the agent's time between answers: its tools, its logic
         )
         trajectory = trajectory_of(group, self.index, rollout, self.clock.opened_at)
+        for segment in self.segments:
+            if segment is not last:
+                response = segment.transcript.response
+                trajectory.segments.add(
+                    prompt_token_ids=segment.transcript.prompt,
+                    response_token_ids=response.token_ids,
+                    response_mask=bytes(response.mask),
+                    rollout_logprobs=response.logprobs,
+                    spans=response.spans,
+                )
         trajectory.labels[SESSION_LABEL] = self.session_id
         if env_reward is not None:
             trajectory.labels.update(env_reward.to_labels())

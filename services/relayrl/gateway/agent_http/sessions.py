@@ -44,7 +44,7 @@ from relayrl.gateway.agent_http.domain import (
     TurnResult,
     checked_spec,
 )
-from relayrl.gateway.agent_http.errors import AgentError, ErrorKind
+from relayrl.gateway.agent_http.errors import DIVERGED, AgentError, ErrorKind
 from relayrl.gateway.agent_http.session import AgentSession, Answered
 from relayrl.gateway.agent_http.store import AgentGroupStore, TrajectoryRefused
 from relayrl.gateway.config import AgentHttpConfig
@@ -230,7 +230,7 @@ class AgentSessions:
                 f"session {session_id} has a request in flight; close it once answered "
                 "(or abort it)",
             )
-        if not len(session.transcript.response):
+        if not session.num_response_tokens:
             reason = "closed before any generation"
             if env_reward is not None and env_reward.status != "ok":  # the environment's why
                 reason += f"; its environment reported {env_reward.status}: {env_reward.message}"
@@ -250,7 +250,7 @@ class AgentSessions:
         activity = session.activity
         if activity.busy:
             reason = f"{who} while its request was still being answered"
-        elif not len(session.transcript.response):
+        elif not session.num_response_tokens:
             reason = f"{who} with no generation"
         elif activity.last_failure:
             reason = f"{who} after its last request failed: {activity.last_failure}"
@@ -274,7 +274,7 @@ class AgentSessions:
             await asyncio.wait({activity.inflight})
         if session_id in self._ended:  # ended meanwhile
             return self._ended[session_id]
-        if not len(session.transcript.response):
+        if not session.num_response_tokens:
             return self._forget(session, session.end("discarded", reason))
         return await self._put(session, failed=True, reason=reason)
 
@@ -310,7 +310,7 @@ class AgentSessions:
             outcome,
             session.trajectory_key,
             session.num_turns,
-            len(session.transcript.response),
+            session.num_response_tokens,
             f" ({reason})" if reason else "",
         )
         return self._forget(session, session.end(outcome, reason))
@@ -342,7 +342,7 @@ class AgentSessions:
         if answered is not None and answered.fingerprint == key:
             return answered.result
         try:
-            plan = conversation.plan(session, request)
+            plan = self._plan(session, conversation, request)
             result = await self._turn(session, Answering(conversation, plan, key))
         except AgentError as exc:
             if exc.kind in INFRASTRUCTURE_ERRORS:
@@ -353,6 +353,25 @@ class AgentSessions:
             raise
         session.activity.last_failure = ""
         return result
+
+    def _plan(
+        self, session: AgentSession, conversation: Conversation[Any], request: TurnRequest
+    ) -> TurnPlan[Any]:
+        """The turn, planned on the segment the request extends (the most recently used
+        first), or on a new segment when it extends none (agent_http.segments)."""
+        diverged: AgentError | None = None
+        for segment in session.candidates():
+            session.current = segment
+            try:
+                return conversation.plan(session, request)
+            except AgentError as exc:
+                if exc.code != DIVERGED:
+                    raise
+                diverged = diverged or exc
+        if diverged is not None and not self.config.segments:
+            raise diverged
+        session.start_segment()
+        return conversation.plan(session, request)
 
     def _ready(self, session_id: str, kind: SessionKind) -> AgentSession:
         session = self.get(session_id)
@@ -365,11 +384,10 @@ class AgentSessions:
                 "conversation, one request at a time",
                 code="request_in_flight",
             )
-        if session.dialogue.kind not in (None, kind):
+        if session.kind not in (None, kind):
             raise AgentError(
                 ErrorKind.CONFLICT,
-                f"session {session_id} is a {session.dialogue.kind} session; it cannot take "
-                f"{kind} requests",
+                f"session {session_id} is a {session.kind} session; it cannot take {kind} requests",
             )
         return session
 
@@ -433,12 +451,13 @@ class AgentSessions:
         self, session: AgentSession, answering: Answering, generation: Generation
     ) -> TurnResult:
         plan, turn = answering.plan, session.num_turns
-        if turn == 0:
-            session.dialogue.kind = answering.conversation.session_kind
+        if session.kind is None:
+            session.kind = answering.conversation.session_kind
         replica_id = session.engine.replica_id
         spans = session.transcript.record(
             plan.engine_prompt, plan.observation, generation, replica_id
         )
+        session.recorded()
         decoded = self.tokenizer.decode(list(generation.token_ids), skip_special_tokens=True)
         text, held_back = text_before_stop(
             decoded, generation.stop_string, plan.request.sampling.include_stop_str_in_output
