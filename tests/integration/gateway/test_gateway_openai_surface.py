@@ -94,12 +94,12 @@ SHAPES = [
     chat("tools", tools=[TOOL]),
     chat("tool_choice: auto", tools=[TOOL], tool_choice="auto"),
     chat("tool_choice: none", tools=[TOOL], tool_choice="none"),
-    chat("tool_choice: required", "tool_choice", tools=[TOOL], tool_choice="required"),
+    chat("tool_choice: required", tools=[TOOL], tool_choice="required", max_tokens=200),
     chat(
         "tool_choice: a named function",
-        "tool_choice",
         tools=[TOOL],
         tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=200,
     ),
     chat("parallel_tool_calls: true", tools=[TOOL], parallel_tool_calls=True),
     chat("parallel_tool_calls: false", tools=[TOOL], parallel_tool_calls=False),
@@ -163,7 +163,22 @@ SHAPES = [
     ),
     responses("tool_choice: auto", tools=[RESPONSES_TOOL], tool_choice="auto"),
     responses(
-        "tool_choice: required", "tool_choice", tools=[RESPONSES_TOOL], tool_choice="required"
+        "tool_choice: required",
+        tools=[RESPONSES_TOOL],
+        tool_choice="required",
+        max_output_tokens=200,
+    ),
+    responses(
+        "tool_choice: a named function",
+        tools=[RESPONSES_TOOL],
+        tool_choice={"type": "function", "name": "add"},
+        max_output_tokens=200,
+    ),
+    chat(
+        "tool_choice: a function not among the tools",
+        "tool_choice",
+        tools=[TOOL],
+        tool_choice={"type": "function", "function": {"name": "mul"}},
     ),
     responses("built-in tool (web_search)", "tools", tools=[{"type": "web_search"}]),
     responses("parallel_tool_calls", tools=[RESPONSES_TOOL], parallel_tool_calls=False),
@@ -199,6 +214,16 @@ PATHS = {
     "responses": "responses",
     "embeddings": "embeddings",
 }
+
+
+def forced(shape: Shape) -> bool:
+    """Whether the shape forces a tool call (tool_choice "required" or a named function)."""
+    return shape.refused is None and shape.body.get("tool_choice") not in (None, "auto", "none")
+
+
+def cut_call(finish_reason: str, text: str) -> bool:
+    """A forced call the budget cut short: the random tiny model may write a long argument."""
+    return finish_reason == "length" and text.startswith('<tool_call>\n{"name": "add"')
 
 
 def gateway_config(redis: RedisServer, model_dir: Path, engine_url: str) -> dict[str, Any]:
@@ -245,9 +270,19 @@ async def walk(base: str) -> list[tuple[Shape, int, dict[str, Any] | None]]:
                 answer = json.loads(raw)
                 assert answer["object"] == "response" and answer["output"], answer
                 assert answer["usage"]["output_tokens"] >= 1, answer
+                if forced(shape):
+                    kinds = [item["type"] for item in answer["output"]]
+                    text = answer["output"][0].get("content", [{}])[0].get("text", "")
+                    finish = "length" if answer["status"] == "incomplete" else "stop"
+                    assert "function_call" in kinds or cut_call(finish, text), answer
             else:
                 answer = json.loads(raw)
                 assert answer["choices"] and answer["usage"]["completion_tokens"] >= 1, answer
+                if forced(shape):  # the engine generated a call, and the answer has it
+                    (choice,) = answer["choices"]
+                    assert choice["message"].get("tool_calls") or cut_call(
+                        choice["finish_reason"], choice["message"]["content"]
+                    ), json.dumps(answer)
             seen.append((shape, status, error))
             async with http.post(f"{base}/sessions/{session_id}/close", json={}):
                 pass

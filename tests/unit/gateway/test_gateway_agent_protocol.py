@@ -60,7 +60,7 @@ def refusal(model: type, body: dict[str, Any]) -> AgentError:
         (chat(messages=[{"role": "wizard", "content": "x"}]), "messages", "role must be one of"),
         (chat(messages=[{"role": "user"}]), "messages", "content is missing"),
         (chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages", "text"),
-        (chat(tool_choice="required"), "tool_choice", "'auto' or 'none'"),
+        (chat(tool_choice="any"), "tool_choice", "'required'"),
         (chat(tools=[{"type": "function", "function": {}}]), "tools", "name is missing"),
         (chat(n=2), "n", "one choice per request"),
         (chat(presence_penalty=0.5), "presence_penalty", "not supported"),
@@ -488,7 +488,7 @@ def test_responses_input_items_become_the_chat_conversation_the_gateway_returned
         ({"input": [{"type": "reasoning"}]}, "input", "'reasoning' are not served"),
         ({"input": "x", "tools": [{"type": "file_search"}]}, "tools", "only function tools"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text", "json_schema"),
-        ({"input": "x", "tool_choice": "required"}, "tool_choice", "'auto' or 'none'"),
+        ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice", "'required'"),
     ],
 )
 def test_a_malformed_responses_request_is_refused_naming_the_parameter(
@@ -534,3 +534,34 @@ def test_a_response_is_the_reply_and_its_calls_as_output_items_and_streams_as_ev
     cut = ResponseObject.of(turn(finish_reason="length"), MODEL, request, letters)
     assert cut.status == "incomplete" and cut.incomplete_details is not None
     assert list(cut.events())[-1]["type"] == "response.incomplete"
+
+
+def test_a_forced_tool_call_is_a_grammar_of_the_policys_tool_call_form() -> None:
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": {}}}
+        for name in ("add", "lookup")
+    ]
+
+    def domain(**fields: Any) -> ChatRequest:
+        return parse(ChatCompletionRequest, chat(tools=tools, **fields), MODEL).to_domain()
+
+    required = domain(tool_choice="required").sampling.structured_outputs
+    assert required is not None and set(required) == {"grammar"}
+    assert 'name ::= "\\"add\\"" | "\\"lookup\\""' in required["grammar"]
+    named = domain(tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert 'name ::= "\\"lookup\\""\n' in named.sampling.structured_outputs["grammar"]
+    # the Responses API names the function without nesting it
+    body = {"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "add"}]}
+    body["tool_choice"] = {"type": "function", "name": "add"}
+    responses = parse(ResponsesRequest, body, MODEL).to_domain()
+    assert 'name ::= "\\"add\\""\n' in responses.sampling.structured_outputs["grammar"]
+    for fields, says in [
+        ({"tool_choice": {"type": "function", "function": {"name": "mul"}}}, "not among"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "combined"),
+    ]:
+        with pytest.raises(AgentError) as refused:
+            domain(**fields)
+        assert refused.value.param == "tool_choice" and says in refused.value.message
+    with pytest.raises(AgentError) as no_tools:
+        parse(ChatCompletionRequest, chat(tool_choice="required"), MODEL).to_domain()
+    assert "needs tools" in no_tools.value.message

@@ -3,6 +3,7 @@ top_k, structured_outputs, return_token_ids), its answer and its stream of chunk
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
@@ -72,10 +73,14 @@ class ChatCompletionRequest(OpenAIRequest):
         return self.top_logprobs if self.logprobs else None
 
     def to_domain(self) -> ChatRequest:
+        sampling = sampling_of(self)
+        forced = checks.forced_tool_call(self.tool_choice, self.tools, sampling.structured_outputs)
+        if forced is not None:
+            sampling = dataclasses.replace(sampling, structured_outputs=forced)
         return ChatRequest(
             messages=self.messages,
             tools=self.tools,
-            sampling=sampling_of(self),
+            sampling=sampling,
             parse_tool_calls=self.tool_choice != "none",
         )
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from relayrl.conversation.tool_calls import forced_call_grammar
 from relayrl.core import env_reward
 from relayrl.gateway.agent_http.errors import AgentError, ErrorKind, invalid
 
@@ -193,13 +194,46 @@ def check_messages(value: Any, name: str) -> list[dict[str, Any]]:
 
 
 def check_tool_choice(value: Any, name: str) -> Any:
-    if value not in (None, "auto", "none"):
+    """None, "auto", "none", "required", or {"name": ...} for a named function (chat's
+    `{"type": "function", "function": {"name"}}` or the Responses API's
+    `{"type": "function", "name"}`)."""
+    if value in (None, "auto", "none", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        function = value.get("function", value)
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return {"name": function["name"]}
+    raise invalid(
+        "tool_choice: 'auto', 'none', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}",
+        "tool_choice",
+    )
+
+
+def forced_tool_call(
+    tool_choice: Any, tools: list[dict[str, Any]] | None, structured: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The structured output that makes the policy call a tool for tool_choice "required" or
+    a named function (a grammar of the policy's tool-call form); None for the others."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    names = [tool["function"]["name"] for tool in tools or ()]
+    if not names:
+        raise invalid(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+    if isinstance(tool_choice, dict):
+        if tool_choice["name"] not in names:
+            raise invalid(
+                f"tool_choice names {tool_choice['name']!r}, which is not among the tools {names}",
+                "tool_choice",
+            )
+        names = [tool_choice["name"]]
+    if structured is not None:
         raise invalid(
-            "tool_choice: 'auto' or 'none'; to force a call, constrain the output with "
+            "a forced tool call (tool_choice) cannot be combined with response_format or "
             "structured_outputs",
             "tool_choice",
         )
-    return value
+    return {"grammar": forced_call_grammar(names)}
 
 
 # What of a function definition the chat template is given: the model sees these. `strict` (and

@@ -184,6 +184,8 @@ class ResponsesRequest(OpenAIRequest):
         return LOGPROBS_INCLUDE in (self.include or ())
 
     def to_domain(self) -> ChatRequest:
+        structured = checks.structured_outputs(self.structured_outputs, self.text)
+        forced = checks.forced_tool_call(self.tool_choice, self.tools, structured)
         return ChatRequest(
             messages=self.input,
             tools=self.tools,
@@ -192,7 +194,7 @@ class ResponsesRequest(OpenAIRequest):
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_logprobs=(self.top_logprobs or 0) if self.wants_logprobs else 0,
-                structured_outputs=checks.structured_outputs(self.structured_outputs, self.text),
+                structured_outputs=forced or structured,
             ),
             parse_tool_calls=self.tool_choice != "none",
         )
@@ -272,7 +274,7 @@ class ResponseObject(Answer):
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     tools: list[dict[str, Any]] = Field(default_factory=list)
-    tool_choice: str = "auto"
+    tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     temperature: float | None = None
     top_p: float | None = None
@@ -319,7 +321,7 @@ class ResponseObject(Answer):
             incomplete_details=details,
             instructions=request.instructions,
             tools=[{"type": "function", **tool["function"]} for tool in request.tools or ()],
-            tool_choice=request.tool_choice or "auto",
+            tool_choice=_tool_choice(request.tool_choice),
             parallel_tool_calls=request.parallel_tool_calls,
             temperature=request.temperature,
             top_p=request.top_p,
@@ -380,6 +382,13 @@ class ResponseObject(Answer):
             yield event("response.output_item.done", output_index=index, item=done)
         final = "response.incomplete" if self.status == "incomplete" else "response.completed"
         yield event(final, response=self.model_dump())
+
+
+def _tool_choice(choice: Any) -> Any:
+    """The request's tool_choice as the Responses API echoes it."""
+    if isinstance(choice, dict):
+        return {"type": "function", "name": choice["name"]}
+    return choice or "auto"
 
 
 def _logprobs(result: TurnResult, token_texts: TokenTexts, top: int) -> list[TokenLogprob]:
