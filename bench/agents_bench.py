@@ -21,6 +21,12 @@ time. The sides:
               agents_sdk_agent.py, in the SDK's virtual environment) on the Responses API,
               served
     sdk-chat  the same SDK agent on chat completions (`--chat-completions`), served
+    langchain LangChain's classic ReAct agent (examples/agents/langchain_react_agent.py, in the
+              frameworks' virtual environment), served: text actions, a segment per turn
+    langgraph a LangGraph graph whose nodes bind different tools (langgraph_agent.py), served
+    pydantic  a pydantic-ai Agent with a tool (pydantic_ai_agent.py), served
+The framework agents are not the same program as the others (their prompts and turns are
+their framework's), so their rows compare what a user of each gets, not the gateway's cost.
 
 The agents send the same tools as the built-in loop, so the prompts are the same tokens. The
 turns differ: when the policy writes a malformed tool call, the built-in loop answers with an
@@ -67,7 +73,13 @@ SIDES = {
     "openai": "openai",
     "sdk": "sdk",
     "sdk-chat": "sdk-chat",
+    "langchain": "langchain",
+    "langgraph": "langgraph",
+    "pydantic": "pydantic",
 }
+FRAMEWORKS_PYTHON = (
+    AGENTS.parents[1] / ".venv" / "share" / "venvs" / "frameworks" / "bin" / "python"
+)
 SDK_PYTHON = AGENTS.parents[1] / ".venv" / "share" / "venvs" / "agents-sdk" / "bin" / "python"
 
 
@@ -161,11 +173,12 @@ def run_side(
         time.sleep(0.05)
     seconds = time.perf_counter() - started
     trajectories = [t for e in entries for t in e.trajectories]
+    parts = [part for t in trajectories for part in (t, *t.segments)]  # a sample's segments too
     return Result(
-        tokens=sum(sum(bytes(t.response_mask)) for t in trajectories),
+        tokens=sum(sum(bytes(part.response_mask)) for part in parts),
         seconds=seconds,
         sessions=len(trajectories),
-        turns=sum(1 for t in trajectories for span in t.spans if span.generated),
+        turns=sum(1 for part in parts for span in part.spans if span.generated),
         infra=[f"{t.uid}_{t.index}: {t.error}" for t in trajectories if t.tags.is_infra],
         cpu_s=gateway_cpu(gateway) - cpu0,
     )
@@ -195,6 +208,9 @@ def gateway_config(redis_url: str, model_dir: Path, engine_url: str, concurrency
                 "openai": agent("openai_tool_agent.py"),
                 "sdk": agent("agents_sdk_agent.py", True, SDK_PYTHON),
                 "sdk-chat": agent("agents_sdk_agent.py", True, SDK_PYTHON, "--chat-completions"),
+                "langchain": agent("langchain_react_agent.py", True, FRAMEWORKS_PYTHON),
+                "langgraph": agent("langgraph_agent.py", True, FRAMEWORKS_PYTHON),
+                "pydantic": agent("pydantic_ai_agent.py", True, FRAMEWORKS_PYTHON),
             }
         },
     }
@@ -291,6 +307,9 @@ def report(args: argparse.Namespace, results: dict[str, list[Result]]) -> None:
     for side in ("sdk", "sdk-chat"):
         print(f"{side}/builtin={median(side, lambda r: r.rate) / builtin:.2f}", end="  ")
     print("(the Agents SDK, served, on the Responses API and on chat completions)")
+    for side in ("langchain", "langgraph", "pydantic"):
+        print(f"{side}/builtin={median(side, lambda r: r.rate) / builtin:.2f}", end="  ")
+    print("(agent frameworks, served)")
     sessions = median("external", lambda r: r.sessions / r.seconds)
     print(f"agents-bench: external/builtin={external / builtin:.2f} sessions_per_s={sessions:.2f}")
 
