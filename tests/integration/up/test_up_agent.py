@@ -1,13 +1,6 @@
-"""`relayrl up --agent`: a user's agent program (examples/agents/agents_sdk_agent.py, a
-multi-turn tool agent written with the OpenAI Agents SDK, in the SDK's own virtual environment
-that `make setup` builds, served: one process takes every sample's task) rolls out every
-training sample of a short run through the real stack: redis-server, the four services and a
-real vLLM engine.
-
-Every trained group has its `n` trajectories, each the gateway's record of the agent's session
-(the engine's own token ids, mask 0 on the tool results between generated turns, a policy
-version per span), trained exactly once; nothing is an infrastructure failure, and no agent
-process outlives the run.
+"""`relayrl up --agent`: a user's agent program rolls out every training sample of a short run
+through the real stack (redis-server, the four services and a real vLLM engine). Agent
+frameworks, the OpenAI Agents SDK among them, are in test_up_frameworks.py.
 
 The plain `openai` program of examples/agents/plain_openai_agent.py trains unchanged: it asks two
 chat turns and exits 0 without closing its session, and its exit ends the episode; every step
@@ -43,8 +36,6 @@ from relayrl_testkit.helpers.up import (
 )
 
 REPO = Path(__file__).resolve().parents[3]
-AGENT = REPO / "examples" / "agents" / "agents_sdk_agent.py"
-SDK_PYTHON = REPO / ".venv" / "share" / "venvs" / "agents-sdk" / "bin" / "python"
 PLAIN_AGENT = REPO / "examples" / "agents" / "plain_openai_agent.py"
 VERIFIERS_PYTHON = REPO / ".venv" / "share" / "venvs" / "verifiers" / "bin" / "python"
 VERIFIERS_AGENT = REPO / "examples" / "agents" / "verifiers_agent.py"
@@ -56,59 +47,12 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
     return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
 
 
-def agents_alive(agent: Path = AGENT) -> list[str]:
+def agents_alive(agent: Path) -> list[str]:
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
         if str(agent) in " ".join(process.info["cmdline"] or ()):
             found.append(f"{process.info['pid']}: {' '.join(process.info['cmdline'])}")
     return found
-
-
-# 409-741 s in full-suite runs here (it builds the lookup warm start while other heavy units
-# run): the bound leaves room for a slow machine, not for a hang.
-@pytest.mark.timeout(1500)
-def test_an_agent_program_rolls_out_every_training_sample(runs_dir: Path) -> None:
-    # served: one SDK process takes every sample's task (its imports cost seconds)
-    config = deep_update(SHORT_RUN, {"task": {"name": "lookup"}, "agent": {"serve": True}})
-    steps, n = config["train"]["steps"], config["train"]["samples_per_prompt"]
-    assert SDK_PYTHON.exists(), f"{SDK_PYTHON}: run make setup"
-    agent = f"{SDK_PYTHON} {AGENT} --serve"
-    up = UpProcess.start(runs_dir, config, "--mode", "sync", "--agent", agent)
-    try:
-        assert up.wait(1400) == 0, up.output()
-        run_dir, output = up.run_dir, up.output()
-    finally:
-        up.stop()
-    assert f"trained lookup for {steps} steps in sync" in output, output
-
-    records = steps_logged(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
-    audit = audit_queue(run_dir)
-    check_exactly_once(run_dir, audit)
-    infra = audit.infra_trajectories()
-    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
-    trained = {uid for record in records for uid in record["uids"]}
-    assert trained
-    multi_turn = 0
-    for uid in trained:
-        entry = audit.groups[uid]
-        assert entry.group.agent == "external"
-        assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
-        for trajectory in entry.trajectories:
-            # recorded by the gateway's session, not written by the agent
-            assert trajectory.labels["agent_session"], trajectory.labels
-            mask = bytes(trajectory.response_mask)
-            assert len(mask) == len(trajectory.response_token_ids) > 0
-            assert len(trajectory.rollout_logprobs) == len(mask)
-            spans = [span for span in trajectory.spans if span.generated]
-            assert spans and all(span.policy_version >= 0 for span in spans)
-            assert sum(span.end - span.start for span in spans) == sum(mask)
-            if 0 in mask:  # tool results between generated turns
-                multi_turn += 1
-                assert len(spans) >= 2 and mask[0] == 1 and mask[-1] == 1
-    # the warm-started policy calls the lookup tool, so sessions span several turns
-    assert multi_turn > 0
-    assert processes_of(run_dir) == [] and agents_alive() == []
 
 
 @pytest.mark.timeout(900)

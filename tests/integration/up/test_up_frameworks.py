@@ -1,13 +1,20 @@
-"""Agent frameworks train unchanged through `relayrl up --agent`, each served from the
-frameworks' virtual environment that `make setup` builds, on the `lookup` task through the
-real stack (redis-server, the four services, a real vLLM engine):
+"""Agent programs written with four frameworks train unchanged through `relayrl up --agent`, on
+the `lookup` task through the real stack (redis-server, the four services, a real vLLM engine):
 
+- the OpenAI Agents SDK (examples/agents/agents_sdk_agent.py, in its own virtual environment,
+  on the Responses API): sessions span several turns, tool results masked between them;
 - LangChain's classic ReAct agent (examples/agents/langchain_react_agent.py) rewrites its one
-  prompt message every turn and stops on "\\nObservation": its turns are segments;
+  prompt message every turn and stops on "\\nObservation": some of its turns are segments;
 - a LangGraph graph whose nodes bind different tools (examples/agents/langgraph_agent.py):
   the second node's request starts a segment of its own, every time;
 - a pydantic-ai `Agent` with a tool (examples/agents/pydantic_ai_agent.py): one conversation,
-  with a turn per tool call.
+  with a turn per tool call, no segment.
+
+They share one run, so that the stack, the engine and the evaluations start once for all four:
+relayrl_testkit.agent_router serves each program (started once, with its own `--serve`,
+unchanged) and hands the samples' tasks to them in turn, recording whose session is whose, so
+a group holds trajectories of several programs. The run is
+checked once as a whole, then each program's groups by a test of their own.
 
 Every step trains its groups; every trajectory is the gateway's record of its session (the
 segments' tokens included, spans versioned), none an infrastructure failure, and no agent
@@ -15,6 +22,10 @@ process outlives the run."""
 
 from __future__ import annotations
 
+import json
+import shlex
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -22,6 +33,7 @@ import pytest
 
 from relayrl_testkit.helpers.up import (
     SHORT_RUN,
+    Audit,
     UpProcess,
     audit_queue,
     check_exactly_once,
@@ -36,20 +48,66 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[3]
 AGENTS = REPO / "examples" / "agents"
-PYTHON = REPO / ".venv" / "share" / "venvs" / "frameworks" / "bin" / "python"
+VENVS = REPO / ".venv" / "share" / "venvs"
+FRAMEWORKS = VENVS / "frameworks" / "bin" / "python"
+SDK = VENVS / "agents-sdk" / "bin" / "python"
+PROGRAMS = {
+    "agents_sdk": (SDK, AGENTS / "agents_sdk_agent.py"),
+    "langchain": (FRAMEWORKS, AGENTS / "langchain_react_agent.py"),
+    "langgraph": (FRAMEWORKS, AGENTS / "langgraph_agent.py"),
+    "pydantic_ai": (FRAMEWORKS, AGENTS / "pydantic_ai_agent.py"),
+}
+# 4 steps of 2 groups of 4: 8 trajectories of each program trained
+CONFIG = deep_update(
+    SHORT_RUN, {"task": {"name": "lookup"}, "train": {"steps": 4}, "agent": {"serve": True}}
+)
 
 
-@pytest.fixture(scope="module")
-def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
-    return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
+@dataclass
+class SharedRun:
+    run_dir: Path
+    output: str
+    records: list[dict]
+    audit: Audit
+    trajectories_of: dict[str, list]  # program -> its trajectories in trained groups
 
 
-def alive(agent: Path) -> list[str]:
+def alive(script: Path) -> list[str]:
     return [
         f"{p.info['pid']}: {' '.join(p.info['cmdline'])}"
         for p in psutil.process_iter(["pid", "cmdline"])
-        if str(agent) in " ".join(p.info["cmdline"] or ())
+        if str(script) in " ".join(p.info["cmdline"] or ())
     ]
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> SharedRun:
+    for python, _ in PROGRAMS.values():
+        assert python.exists(), f"{python}: run make setup"
+    runs_dir = sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
+    log = runs_dir / "handed-out.jsonl"
+    routes = [f"{name}={python} {script} --serve" for name, (python, script) in PROGRAMS.items()]
+    agent = shlex.join(
+        [sys.executable, "-m", "relayrl_testkit.agent_router", "--log", str(log), *routes]
+    )
+    up = UpProcess.start(runs_dir, CONFIG, "--mode", "sync", "--agent", agent)
+    try:
+        assert up.wait(1400) == 0, up.output()
+        run_dir, output = up.run_dir, up.output()
+    finally:
+        up.stop()
+    records = steps_logged(run_dir)
+    audit = audit_queue(run_dir)
+    owner = {
+        entry["session_id"]: entry["agent"]
+        for entry in map(json.loads, log.read_text().splitlines())
+    }
+    trajectories_of: dict[str, list] = {name: [] for name in PROGRAMS}
+    for uid in {uid for record in records for uid in record["uids"]}:
+        for trajectory in audit.groups[uid].trajectories:
+            # recorded by the gateway's session, not written by the agent
+            trajectories_of[owner[trajectory.labels["agent_session"]]].append(trajectory)
+    return SharedRun(run_dir, output, records, audit, trajectories_of)
 
 
 def segments_of(trajectory) -> list:  # type: ignore[no-untyped-def]
@@ -62,52 +120,58 @@ def segments_of(trajectory) -> list:  # type: ignore[no-untyped-def]
     ]
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    ("script", "segmented"),
-    [
-        ("langchain_react_agent.py", "some"),
-        ("langgraph_agent.py", "all"),
-        ("pydantic_ai_agent.py", "none"),
-    ],
-)
-def test_an_agent_framework_trains_unchanged(runs_dir: Path, script: str, segmented: str) -> None:
-    assert PYTHON.exists(), f"{PYTHON}: run make setup"
-    agent = AGENTS / script
-    config = deep_update(SHORT_RUN, {"task": {"name": "lookup"}, "agent": {"serve": True}})
-    steps, n = config["train"]["steps"], config["train"]["samples_per_prompt"]
-    up = UpProcess.start(runs_dir, config, "--agent", f"{PYTHON} {agent} --serve")
-    try:
-        assert up.wait(800) == 0, up.output()
-        run_dir, output = up.run_dir, up.output()
-    finally:
-        up.stop()
-    assert f"trained lookup for {steps} steps" in output, output
-
-    records = steps_logged(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
-    assert all(len(r["uids"]) == config["train"]["batch_groups"] for r in records), records
-    audit = audit_queue(run_dir)
-    check_exactly_once(run_dir, audit)
-    infra = audit.infra_trajectories()
-    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
-    counts = []
-    for uid in {uid for record in records for uid in record["uids"]}:
-        entry = audit.groups[uid]
+# 409-741 s for the Agents SDK's run alone in full-suite runs here (it builds the lookup warm
+# start while other heavy units run): the bound leaves room for a slow machine, not a hang.
+@pytest.mark.timeout(1500)
+def test_one_run_trains_every_program_exactly_once(shared_run: SharedRun) -> None:
+    run = shared_run
+    steps, groups = CONFIG["train"]["steps"], CONFIG["train"]["batch_groups"]
+    assert f"trained lookup for {steps} steps in sync" in run.output, run.output
+    assert [r["step"] for r in run.records] == list(range(steps))
+    assert all(len(r["uids"]) == groups for r in run.records), run.records
+    check_exactly_once(run.run_dir, run.audit)
+    infra = run.audit.infra_trajectories()
+    assert infra == [], "\n".join([*infra, service_warnings(run.run_dir)])
+    n = CONFIG["train"]["samples_per_prompt"]
+    for uid in {uid for record in run.records for uid in record["uids"]}:
+        entry = run.audit.groups[uid]
         assert entry.group.agent == "external"
         assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
-        for trajectory in entry.trajectories:
-            assert trajectory.labels["agent_session"], trajectory.labels
-            for response, mask, logprobs, spans in segments_of(trajectory):
-                assert len(mask) == len(response) == len(logprobs) > 0
-                generated = [s for s in spans if s.generated]
-                assert generated and all(s.policy_version >= 0 for s in generated)
-                assert sum(s.end - s.start for s in generated) == sum(mask)
-            counts.append(len(trajectory.segments))
+    assert processes_of(run.run_dir) == []
+    assert [p for _, script in PROGRAMS.values() for p in alive(script)] == []
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(
+    ("program", "segmented"),
+    [
+        ("agents_sdk", "none"),
+        ("langchain", "some"),
+        ("langgraph", "all"),
+        ("pydantic_ai", "none"),
+    ],
+)
+def test_an_agent_program_trains_unchanged(
+    shared_run: SharedRun, program: str, segmented: str
+) -> None:
+    trajectories = shared_run.trajectories_of[program]
+    assert trajectories, f"{program} has no trajectory in a trained group"
+    counts, multi_turn = [], 0
+    for trajectory in trajectories:
+        for response, mask, logprobs, spans in segments_of(trajectory):
+            assert len(mask) == len(response) == len(logprobs) > 0
+            generated = [s for s in spans if s.generated]
+            assert generated and all(s.policy_version >= 0 for s in generated)
+            assert sum(s.end - s.start for s in generated) == sum(mask)
+            if 0 in mask:  # tool results between generated turns
+                multi_turn += 1
+                assert len(generated) >= 2
+        counts.append(len(trajectory.segments))
     if segmented == "all":
         assert min(counts) >= 1, counts
     elif segmented == "some":
         assert max(counts) >= 1, counts
     else:
         assert max(counts) == 0, counts
-    assert processes_of(run_dir) == [] and alive(agent) == []
+    if program == "agents_sdk":  # the warm-started policy calls the lookup tool
+        assert multi_turn > 0
