@@ -10,7 +10,6 @@ sample's task from stdin, each on a thread, so Python starts once rather than pe
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -21,8 +20,8 @@ from tools import (
     close_session,
     needs_nudge,
     post,
+    run_agent,
     run_tool,
-    serve,
     session_of,
 )
 
@@ -49,12 +48,5 @@ def solve(task: dict[str, Any]) -> None:
     close_session(session)
 
 
-def main() -> int:
-    if "--serve" in sys.argv[1:]:
-        return serve(solve)
-    solve(json.loads(sys.stdin.readline()))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_agent(solve))

@@ -24,7 +24,7 @@ from langchain_classic.agents import AgentExecutor, create_react_agent
 from langchain_core.prompts import PromptTemplate
 from langchain_core.tools import Tool
 from langchain_openai import ChatOpenAI
-from tools import MAX_TURNS, run_tool, serve, session_of
+from tools import MAX_TURNS, run_agent, run_tool, session_of
 
 # The classic ReAct prompt (as LangChain's hub publishes it), in our words where it explains.
 PROMPT = PromptTemplate.from_template(
@@ -74,12 +74,5 @@ def solve(task: dict[str, Any]) -> None:
     executor.invoke({"input": question})
 
 
-def main() -> int:
-    if "--serve" in sys.argv[1:]:
-        return serve(solve)
-    solve(json.loads(sys.stdin.readline()))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_agent(solve))

@@ -23,7 +23,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
-from tools import NUDGE, run_tool, serve, session_of
+from tools import NUDGE, run_agent, run_tool, session_of
 
 
 def build_graph(llm: ChatOpenAI, labels: dict[str, str]) -> Any:
@@ -74,12 +74,5 @@ def solve(task: dict[str, Any]) -> None:
     build_graph(llm, task["labels"]).invoke({"messages": messages}, {"recursion_limit": 12})
 
 
-def main() -> int:
-    if "--serve" in sys.argv[1:]:
-        return serve(solve)
-    solve(json.loads(sys.stdin.readline()))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_agent(solve))

@@ -19,7 +19,6 @@ verifier would add `{"env_reward": {...}}` to the close (docs/rewards.md).
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -30,8 +29,8 @@ from tools import (
     TOOLS,
     close_session,
     needs_nudge,
+    run_agent,
     run_tool,
-    serve,
     session_of,
 )
 
@@ -58,12 +57,5 @@ def solve(task: dict[str, Any]) -> None:
     close_session(session)
 
 
-def main() -> int:
-    if "--serve" in sys.argv[1:]:  # one process for every sample's task (`serve: true`)
-        return serve(solve)
-    solve(json.loads(sys.stdin.readline()))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_agent(solve))

@@ -25,7 +25,7 @@ from pydantic_ai import Agent
 from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
-from tools import run_tool, serve, session_of
+from tools import run_agent, run_tool, session_of
 
 
 async def run(task: dict[str, Any]) -> None:
@@ -53,12 +53,5 @@ def solve(task: dict[str, Any]) -> None:
     asyncio.run(run(task))
 
 
-def main() -> int:
-    if "--serve" in sys.argv[1:]:
-        return serve(solve)
-    solve(json.loads(sys.stdin.readline()))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_agent(solve))

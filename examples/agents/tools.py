@@ -157,3 +157,12 @@ def serve(solve: Callable[[dict[str, Any]], None], max_workers: int = 64) -> int
             if line.strip():
                 pool.submit(one, line)
     return 0
+
+
+def run_agent(solve: Callable[[dict[str, Any]], None]) -> int:
+    """An example agent's entry point: with `--serve`, every sample's task (`serve: true`);
+    else the one task on stdin (a process per sample)."""
+    if "--serve" in sys.argv[1:]:
+        return serve(solve)
+    solve(json.loads(sys.stdin.readline()))
+    return 0
