@@ -266,6 +266,18 @@ def processes_of(run_dir: Path) -> list[str]:
     return found
 
 
+def running(*scripts: str | Path) -> list[str]:
+    """Live processes whose command line names one of `scripts` (agent programs a run or a
+    gateway must have stopped)."""
+    names = [str(script) for script in scripts]
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or ())
+        if any(name in cmdline for name in names):
+            found.append(f"{process.info['pid']}: {cmdline}")
+    return found
+
+
 def service_warnings(run_dir: Path, limit: int = 60) -> str:
     """The WARNING and ERROR lines of the run's services' logs (the engines' are vLLM's own
     noise): what a failed check shows besides its own message."""

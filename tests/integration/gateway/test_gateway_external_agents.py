@@ -31,6 +31,7 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.server import RedisServer
 from relayrl_testkit.agents import chat_agent
+from relayrl_testkit.helpers.up import running
 
 P = "train"
 AGENT = [sys.executable, chat_agent.__file__]
@@ -63,16 +64,6 @@ def group(uid: str, agent: str, **labels: str) -> common_pb2.PromptGroup:
         ground_truth="5",
         agent=agent,
     )
-
-
-def agents_alive() -> list[str]:
-    """Agent processes anywhere (this module alone runs chat_agent and verifiers_agent)."""
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(process.info["cmdline"] or ())
-        if chat_agent.__file__ in line or VERIFIERS_AGENT[1] in line:
-            found.append(f"{process.info['pid']}: {' '.join(process.info['cmdline'])}")
-    return found
 
 
 def agents_of(process: ServiceProcess) -> list[str]:
@@ -185,7 +176,8 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         served = [line for line in agents_of(gateway) if "--serve" in line]
         assert len(served) == 2, served  # the two served chat agents' processes
         time.sleep(1.0)  # the last agents' process groups are reaped
-    assert agents_alive() == []  # the gateway's shutdown stopped the served ones
+    # the gateway's shutdown stopped the served ones (this module alone runs these two)
+    assert running(chat_agent.__file__, VERIFIERS_AGENT[1]) == []
 
     good = groups["g-good"].trajectories + groups["g-fn"].trajectories
     assert [t.tags.is_infra for t in good] == [False] * 4

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 from relayrl.proto.common.v1 import common_pb2
@@ -30,6 +29,7 @@ from relayrl_testkit.helpers.up import (
     check_exactly_once,
     deep_update,
     processes_of,
+    running,
     service_warnings,
     sharing_cache,
     steps_logged,
@@ -45,14 +45,6 @@ VERIFIERS_ENV = {"PYTHONPATH": str(REPO / "examples" / "agents" / "verifiers_env
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
     return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
-
-
-def agents_alive(agent: Path) -> list[str]:
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        if str(agent) in " ".join(process.info["cmdline"] or ()):
-            found.append(f"{process.info['pid']}: {' '.join(process.info['cmdline'])}")
-    return found
 
 
 @pytest.mark.timeout(900)
@@ -85,7 +77,7 @@ def test_a_plain_openai_program_that_never_closes_its_session_trains_unchanged(
             # two generated turns, the user's follow-up between them
             mask = bytes(trajectory.response_mask)
             assert mask[0] == 1 and mask[-1] == 1 and 0 in mask, uid
-    assert processes_of(run_dir) == [] and agents_alive(PLAIN_AGENT) == []
+    assert processes_of(run_dir) == [] and running(PLAIN_AGENT) == []
 
 
 @pytest.mark.timeout(900)
@@ -145,4 +137,4 @@ def test_a_verifiers_environment_scores_what_the_trainer_trains_on(
         assert record["reward_mean"] == pytest.approx(np.mean(scores), abs=1e-6), record["step"]
         rewards += scores
     assert max(rewards) > 0.0  # the rubric's brevity term rewards every reply a little
-    assert processes_of(run_dir) == [] and agents_alive(VERIFIERS_AGENT) == []
+    assert processes_of(run_dir) == [] and running(VERIFIERS_AGENT) == []

@@ -28,7 +28,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from relayrl_testkit.helpers.up import (
@@ -39,6 +38,7 @@ from relayrl_testkit.helpers.up import (
     check_exactly_once,
     deep_update,
     processes_of,
+    running,
     service_warnings,
     sharing_cache,
     steps_logged,
@@ -70,14 +70,6 @@ class SharedRun:
     records: list[dict]
     audit: Audit
     trajectories_of: dict[str, list]  # program -> its trajectories in trained groups
-
-
-def alive(script: Path) -> list[str]:
-    return [
-        f"{p.info['pid']}: {' '.join(p.info['cmdline'])}"
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if str(script) in " ".join(p.info["cmdline"] or ())
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +130,7 @@ def test_one_run_trains_every_program_exactly_once(shared_run: SharedRun) -> Non
         assert entry.group.agent == "external"
         assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
     assert processes_of(run.run_dir) == []
-    assert [p for _, script in PROGRAMS.values() for p in alive(script)] == []
+    assert running(*(script for _, script in PROGRAMS.values())) == []
 
 
 @pytest.mark.timeout(1500)
