@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.up.audit import audit_run
+from relayrl.up.audit import audit_run, read_jsonl
 from relayrl_testkit.helpers.up import audit_queue, check_exactly_once, processes_of
 
 REPO = Path(__file__).parents[3]
@@ -107,5 +107,15 @@ def test_every_part_killed_during_a_run_loses_nothing_and_serves_nothing_stale(
         for line in report.trained_twice
     )
     assert any(line.startswith(f"{dropped}: consumed at step 1") for line in report.lost)
-    assert len(report.stale_served) == served[gone], report.stale_served
-    assert all(f": version {gone}, " in line for line in report.stale_served)
+    # every span sampled by that version is now stale, and so is every held-out evaluation that
+    # ran on it (at its start or its end)
+    on_gone = sum(
+        1
+        for e in read_jsonl(doctored / "eval.jsonl")
+        for key in ("version", "version_end")
+        if key in e and int(e[key]) == gone
+    )
+    assert len(report.stale_served) == served[gone] + on_gone, report.stale_served
+    spans = [line for line in report.stale_served if not line.startswith("held-out evaluation")]
+    assert len(spans) == served[gone], report.stale_served
+    assert all(f" version {gone}, " in line for line in report.stale_served)
