@@ -174,6 +174,13 @@ class AlgorithmSettings(StrictModel):
     micro_batch_size: int = Field(
         4, ge=1, description="Rows (trajectories) per forward/backward micro-batch per rank."
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="At most this many tokens (rows x the longest row) per micro-batch; a "
+        "longer row goes alone. Activations grow with these tokens: this bounds the "
+        "trainer's memory whatever the responses' lengths. null: rows only.",
+    )
     old_logprobs: Literal["recompute", "bypass"] = Field(
         "recompute",
         description="recompute: pi_old by a forward-only pass on the step's weights; bypass: "

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from relayrl.trainer.logprobs import chunked_token_logprobs
+
 if TYPE_CHECKING:
     from relayrl.trainer.runtime import PolicyModel, PolicyOptimizer
 
@@ -65,22 +67,39 @@ class TokenBatch:
 
 
 @dataclass(frozen=True)
-class _MicroBatch:
+class MicroBatch:
     rows: slice
     input_ids_bt: torch.Tensor  # trimmed to the longest row of the micro-batch
     lengths_b: torch.Tensor
 
 
-def _micro_batches(batch: TokenBatch, micro_batch_size: int) -> list[_MicroBatch]:
+def micro_batches(
+    batch: TokenBatch, micro_batch_size: int, max_tokens: int | None = None
+) -> list[MicroBatch]:
+    """Consecutive rows, at most `micro_batch_size` of them and, when `max_tokens` is set, at
+    most `max_tokens` tokens counted as rows x the longest row (what the pass computes); a
+    row longer than `max_tokens` goes alone. Activations grow with those tokens, so the token
+    bound is what bounds the trainer's memory whatever the responses' lengths."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size {micro_batch_size} must be >= 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens {max_tokens} must be >= 1")
+    lengths = batch.lengths_B.tolist()
     out = []
-    for start in range(0, batch.num_rows, micro_batch_size):
-        rows = slice(start, min(start + micro_batch_size, batch.num_rows))
-        lengths = batch.lengths_B[rows]
+    start = 0
+    while start < batch.num_rows:
+        end, width = start + 1, lengths[start]
+        while end < batch.num_rows and end - start < micro_batch_size:
+            wider = max(width, lengths[end])
+            if max_tokens is not None and (end - start + 1) * wider > max_tokens:
+                break
+            end, width = end + 1, wider
         # Causal attention: trailing padding changes nothing before it, so it is not computed.
-        width = int(lengths.max())
-        out.append(_MicroBatch(rows, batch.input_ids_BT[rows, :width].contiguous(), lengths))
+        rows = slice(start, end)
+        out.append(
+            MicroBatch(rows, batch.input_ids_BT[rows, :width].contiguous(), batch.lengths_B[rows])
+        )
+        start = end
     return out
 
 
@@ -95,7 +114,7 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def _forward_step(
-    data_iterator: Iterator[_MicroBatch],
+    data_iterator: Iterator[MicroBatch],
     model: torch.nn.Module,
     *,
     seq_len: int,
@@ -114,22 +133,26 @@ def _forward_step(
 
 
 def token_logprobs(
-    logits_btv: torch.Tensor, input_ids_bt: torch.Tensor, lengths_b: torch.Tensor, seq_len: int
+    logits_btv: torch.Tensor,
+    input_ids_bt: torch.Tensor,
+    lengths_b: torch.Tensor,
+    seq_len: int,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """float32 [b, seq_len]: log-prob of token t under the logits at t-1 for 1 <= t < length,
-    0 elsewhere. `logits_btv` is this rank's vocabulary shard (tensor parallel): megatron's
-    vocab-parallel cross entropy all-reduces the softmax over the TP group."""
-    from megatron.core import tensor_parallel
-
-    width = input_ids_bt.shape[1]
+    """float32 [b, seq_len]: log-prob of token t under `logits[t-1] / temperature` for
+    1 <= t < length, 0 elsewhere. `logits_btv` is this rank's vocabulary shard (tensor
+    parallel); the softmax is reduced over the TP group, in chunks of tokens
+    (`relayrl.trainer.logprobs`: no full-size copy of the logits is kept for backward, whose
+    gradient overwrites them)."""
+    b, width = input_ids_bt.shape
     if width < 2:
-        return torch.zeros(input_ids_bt.shape[0], seq_len, device=logits_btv.device)
-    nll_bt = tensor_parallel.vocab_parallel_cross_entropy(
-        logits_btv[:, :-1].float().contiguous(), input_ids_bt[:, 1:].contiguous()
-    )
-    t = torch.arange(1, width, device=nll_bt.device)
-    valid_bt = t < lengths_b.to(nll_bt.device).unsqueeze(1)
-    logp_bt = torch.where(valid_bt, -nll_bt, torch.zeros_like(nll_bt))
+        return torch.zeros(b, seq_len, device=logits_btv.device)
+    # logits at t score the token at t + 1; the last position scores nothing (target 0, masked)
+    targets_bt = F.pad(input_ids_bt[:, 1:], (0, 1)).to(logits_btv.device)
+    logp_bt = chunked_token_logprobs(logits_btv, targets_bt, temperature)[:, :-1]
+    t = torch.arange(1, width, device=logp_bt.device)
+    valid_bt = t < lengths_b.to(logp_bt.device).unsqueeze(1)
+    logp_bt = torch.where(valid_bt, logp_bt, torch.zeros_like(logp_bt))
     # Position 0 has no log-prob; positions past this micro-batch's width are padding.
     return F.pad(logp_bt, (1, seq_len - width))
 
@@ -137,14 +160,12 @@ def token_logprobs(
 def _loss_func(
     logits_btv: torch.Tensor,
     *,
-    micro: _MicroBatch,
+    micro: MicroBatch,
     seq_len: int,
     temperature: float,
     loss_fn: LossFn | None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    if temperature != 1.0:
-        logits_btv = logits_btv / temperature
-    logp_bt = token_logprobs(logits_btv, micro.input_ids_bt, micro.lengths_b, seq_len)
+    logp_bt = token_logprobs(logits_btv, micro.input_ids_bt, micro.lengths_b, seq_len, temperature)
     num_tokens = (micro.lengths_b - 1).clamp(min=0).sum().to(torch.int)
     if loss_fn is None:
         # forward only: the "loss" is unused; the log-probs travel in the data store.
@@ -162,6 +183,7 @@ def _run_schedule(
     batch: TokenBatch,
     *,
     micro_batch_size: int,
+    micro_batch_tokens: int | None,
     temperature: float,
     loss_fn: LossFn | None,
 ) -> list[Any]:
@@ -175,17 +197,17 @@ def _run_schedule(
             "the model must come from relayrl.trainer.model.build_model "
             "(calculate_per_token_loss keeps the gradient a plain sum)"
         )
-    micro_batches = _micro_batches(batch, micro_batch_size)
-    if not micro_batches:
+    micros = micro_batches(batch, micro_batch_size, micro_batch_tokens)
+    if not micros:
         return []
     forward_backward_func = get_forward_backward_func()
     return forward_backward_func(
         forward_step_func=partial(
             _forward_step, seq_len=batch.seq_len, temperature=temperature, loss_fn=loss_fn
         ),
-        data_iterator=iter(micro_batches),
+        data_iterator=iter(micros),
         model=[model],
-        num_microbatches=len(micro_batches),
+        num_microbatches=len(micros),
         seq_length=batch.seq_len,
         micro_batch_size=micro_batch_size,
         forward_only=loss_fn is None,
@@ -193,7 +215,12 @@ def _run_schedule(
 
 
 def forward_logprobs(
-    model: PolicyModel, batch: TokenBatch, *, micro_batch_size: int, temperature: float = 1.0
+    model: PolicyModel,
+    batch: TokenBatch,
+    *,
+    micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """float32 [B, T]: `logp[b, t] = log softmax(logits[b, t-1] / temperature)[ids[b, t]]` for
     1 <= t < lengths[b], 0 elsewhere; forward only, no gradients. Under tensor parallelism
@@ -203,7 +230,12 @@ def forward_logprobs(
         return torch.zeros(0, batch.seq_len)
     with torch.no_grad():
         store = _run_schedule(
-            model, batch, micro_batch_size=micro_batch_size, temperature=temperature, loss_fn=None
+            model,
+            batch,
+            micro_batch_size=micro_batch_size,
+            micro_batch_tokens=micro_batch_tokens,
+            temperature=temperature,
+            loss_fn=None,
         )
     logp_BT = torch.zeros(batch.num_rows, batch.seq_len)
     for item in store:
@@ -216,10 +248,12 @@ def forward_backward(
     batch: TokenBatch,
     *,
     micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
     temperature: float,
     loss_fn: LossFn,
 ) -> list[dict[str, float]]:
-    """One forward-backward pass over `batch` in micro-batches of `micro_batch_size` rows.
+    """One forward-backward pass over `batch` in micro-batches of at most `micro_batch_size`
+    rows and `micro_batch_tokens` tokens (`micro_batches`).
 
     `loss_fn(logp_bT, row_slice)` is called once per micro-batch with the log-probs (float32,
     with gradient, [rows, T] laid out as in `forward_logprobs`) of `batch`'s rows
@@ -241,7 +275,12 @@ def forward_backward(
     if batch.num_rows == 0:
         raise ValueError("forward_backward needs at least one row on every rank")
     return _run_schedule(
-        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, loss_fn=loss_fn
+        model,
+        batch,
+        micro_batch_size=micro_batch_size,
+        micro_batch_tokens=micro_batch_tokens,
+        temperature=temperature,
+        loss_fn=loss_fn,
     )
 
 

@@ -64,6 +64,7 @@ class StepResult:
     # updates by construction (the tests hold the trainer to it).
     old_logp_checksums: list[float] = field(default_factory=list)
     phases_s: dict[str, float] = field(default_factory=dict)
+    row_tokens: list[int] = field(default_factory=list)  # prompt + response of each row, in order
 
 
 class Updater(Protocol):
@@ -143,6 +144,7 @@ class PolicyUpdater:
             model,
             TokenBatch(local.input_ids_BT, local.lengths_B),
             micro_batch_size=mbs,
+            micro_batch_tokens=self._algorithm.micro_batch_tokens,
             temperature=self._algorithm.temperature,
         )
         self._model_s += time.perf_counter() - start
@@ -210,7 +212,11 @@ class PolicyUpdater:
         result.phases_s["model"] = self._model_s
         for key in updates[0]:
             values[key] = float(np.mean([u[key] for u in updates]))
-        values["trained_tokens"] = float(train_mask.sum())
+        # trained tokens: prompt and response of every row, what the model's passes compute
+        # (docs/algorithms.md#trained-tokens); the response part is the loss's share of them
+        values["trained_tokens"] = float(batch.lengths_B.sum())
+        values["response_tokens"] = float(mask.sum())
+        result.row_tokens = batch.lengths_B.tolist()
         values["num_updates"] = float(len(updates))
         return result
 
@@ -262,6 +268,7 @@ class PolicyUpdater:
             self._model,
             TokenBatch(local.input_ids_BT, local.lengths_B),
             micro_batch_size=mbs,
+            micro_batch_tokens=algorithm.micro_batch_tokens,
             temperature=algorithm.temperature,
             loss_fn=loss_fn,
         )

@@ -230,6 +230,13 @@ class TrainSection(StrictModel):
     micro_batch_size: int | None = Field(
         None, ge=1, le=4096, description="Rows per forward pass of the trainer."
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description="Tokens per forward pass of the trainer, counted as rows x the longest "
+        "row (a longer row goes alone): what bounds the trainer's memory.",
+    )
     checkpoint_interval_steps: int = Field(
         10,
         ge=1,

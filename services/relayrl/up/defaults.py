@@ -41,6 +41,9 @@ class Profile(StrictModel):
     temperature: float = Field(gt=0.0, description="Sampling temperature of rollouts.")
     max_tokens: int = Field(ge=1, description="Response budget of a dataset or reasoning task.")
     micro_batch_size: int = Field(ge=1, description="Rows per forward pass of the trainer.")
+    micro_batch_tokens: int | None = Field(
+        ge=1, description="Tokens per forward pass of the trainer (rows x longest row)."
+    )
     eval_sampled: bool = Field(description="Also evaluate at the training temperature.")
 
 
@@ -49,13 +52,17 @@ PROFILES: dict[ModelKind, Profile] = {
     # 4e-4 cosine gains 15+ held-out points in 250 steps (docs/defaults.md#tiny-model).
     "tiny": Profile(
         lr=4e-4, lr_schedule="cosine", min_lr_ratio=0.1, warmup_steps=0, clip_grad=1.0,
-        kl_coef=0.0, temperature=1.0, max_tokens=256, micro_batch_size=16, eval_sampled=True,
+        kl_coef=0.0, temperature=1.0, max_tokens=256, micro_batch_size=16,
+        micro_batch_tokens=None, eval_sampled=True,
     ),
     # A pretrained LLM, full-parameter RL (docs/defaults.md#pretrained-models): peers' GRPO
     # recipes (verl, TRL, DAPO, prime-rl) and this project's bench on SmolLM2-135M.
     "pretrained": Profile(
         lr=5e-6, lr_schedule="cosine", min_lr_ratio=0.1, warmup_steps=5, clip_grad=1.0,
-        kl_coef=0.0, temperature=0.6, max_tokens=256, micro_batch_size=4, eval_sampled=False,
+        kl_coef=0.0, temperature=0.6, max_tokens=256, micro_batch_size=4,
+        # activations grow with the tokens of a micro-batch (~2 MB per token for SmolLM2-135M
+        # in fp32): this keeps its trainer under 4 GB (docs/defaults.md#trainer-memory)
+        micro_batch_tokens=512, eval_sampled=False,
     ),
 }  # fmt: skip
 
@@ -73,6 +80,7 @@ class Training(StrictModel):
     temperature: float
     max_tokens: int
     micro_batch_size: int
+    micro_batch_tokens: int | None
     eval_sampled: bool
     chosen: list[str] = Field(
         default_factory=list, description="The fields that came from the profile."
@@ -93,6 +101,8 @@ class Training(StrictModel):
             ("max_tokens", str(self.max_tokens)),
             ("micro_batch_size", str(self.micro_batch_size)),
         ]
+        if self.micro_batch_tokens is not None:
+            items.append(("micro_batch_tokens", str(self.micro_batch_tokens)))
         text = ", ".join(f"{name} {value}" for name, value in items)
         user = sorted(
             {"lr", "clip_grad", "kl_coef", "temperature", "max_tokens"} - set(self.chosen)
@@ -140,6 +150,7 @@ def resolve(
         temperature=float(merged["temperature"]),
         max_tokens=int(merged["max_tokens"]),
         micro_batch_size=int(merged["micro_batch_size"]),
+        micro_batch_tokens=merged["micro_batch_tokens"],
         eval_sampled=bool(merged["eval_sampled"]),
         chosen=sorted(set(chosen) - {"min_lr_ratio"}),
     )

@@ -111,6 +111,7 @@ def up_own_settings(
             "algorithm": {
                 "mini_batch_groups": train.batch_groups,
                 "micro_batch_size": training.micro_batch_size,
+                "micro_batch_tokens": training.micro_batch_tokens,
                 "temperature": training.temperature,
                 "loss": {"kl_coef": training.kl_coef},
             },
