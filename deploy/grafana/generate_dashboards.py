@@ -1137,8 +1137,8 @@ def trainer() -> Dashboard:
                     ),
                     Panel(
                         "Trained tokens / s",
-                        "Response tokens trained on per second, and the trainer's own "
-                        "tokens/s of its last step.",
+                        "Trained tokens (prompt and response of every trained row) per "
+                        "second, and the trainer's own tokens/s of its last step.",
                         [
                             Target(
                                 f"sum(rate(relayrl_trainer_trained_tokens_total{{{NS}}}[{RATE}]))",

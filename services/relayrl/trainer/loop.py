@@ -462,6 +462,7 @@ class TrainingLoop:
         train_s = duration - values["wait_duration_s"]
         values["tokens_per_s"] = values.get("trained_tokens", 0.0) / max(train_s, 1e-9)
         metrics.trained_lengths = [int(r.mask.sum()) for r in rows]
+        metrics.row_tokens = result.row_tokens
         values["trained_response_len_mean"] = (
             float(np.mean(metrics.trained_lengths)) if rows else 0.0
         )

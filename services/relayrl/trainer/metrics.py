@@ -71,6 +71,7 @@ class StepMetrics:
     staleness: list[int] = field(default_factory=list)  # one entry per trained group
     policy_lag: list[int] = field(default_factory=list)  # step - launching version, per group
     trained_lengths: list[int] = field(default_factory=list)  # response tokens per row
+    row_tokens: list[int] = field(default_factory=list)  # prompt + response per row, in order
     launched_lengths: list[int] = field(default_factory=list)  # every consumed trajectory
     groups: dict[str, int] = field(default_factory=dict)  # kept / stale / no_signal / ...
     no_signal: dict[str, int] = field(default_factory=dict)  # why groups had no signal
@@ -94,6 +95,7 @@ class StepMetrics:
             "generated_tokens": self.generated_tokens,
             "set_aside": self.set_aside,
             "uids": self.uids,
+            "row_tokens": self.row_tokens,
         }
 
 
@@ -149,7 +151,9 @@ class TrainerMetrics:
             registry=registry,
         )
         self.trained_tokens = Counter(
-            _name("trained_tokens", "total"), "Response tokens trained on.", registry=registry
+            _name("trained_tokens", "total"),
+            "Trained tokens: prompt and response of every trained row.",
+            registry=registry,
         )
         self.phase_duration = Gauge(
             _name("phase_duration", "seconds"),
