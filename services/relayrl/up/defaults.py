@@ -62,7 +62,7 @@ PROFILES: dict[ModelKind, Profile] = {
         kl_coef=0.0, temperature=0.6, max_tokens=256, micro_batch_size=4,
         # activations grow with the tokens of a micro-batch (~2 MB per token for SmolLM2-135M
         # in fp32): this keeps its trainer under 4 GB (docs/defaults.md#trainer-memory)
-        micro_batch_tokens=512, eval_sampled=False,
+        micro_batch_tokens=256, eval_sampled=False,
     ),
 }  # fmt: skip
 

@@ -107,12 +107,12 @@ def test_the_tiny_model_and_a_pretrained_model_get_their_own_defaults() -> None:
     ).training
     assert (own.kind, own.lr, own.min_lr, own.warmup_steps) == ("pretrained", 5e-6, 5e-7, 5)
     assert (own.temperature, own.max_tokens, own.micro_batch_size) == (0.6, 256, 4)
-    assert own.micro_batch_tokens == 512
+    assert own.micro_batch_tokens == 256
     assert not own.eval_sampled
     assert own.describe() == (
         "training settings for a pretrained model: lr 5e-06 after a 5-step warm-up, cosine to "
         "5e-07, clip_grad 1, kl_coef 0, temperature 0.6, max_tokens 256, micro_batch_size 4, "
-        "micro_batch_tokens 512 (all defaults)"
+        "micro_batch_tokens 256 (all defaults)"
     )
 
 
