@@ -139,7 +139,7 @@ bench-staleness: setup ## rollout held 0/2/4/8 versions behind, uncorrected vs T
 bench-mismatch: setup ## engine vs trainer log-probs on identical weights: fp32, bf16, FP8 via weight-sync (tiny, SmolLM2)
 	$(BIN)/python bench/mismatch_bench.py
 
-bench-real-model: setup ## SmolLM2-135M on a reasoning-gym task through the real stack: phases, tokens/s, trainer vs plain transformers
+bench-real-model: setup ## SmolLM2-135M through `relayrl up` with placement: each part inside the run vs bare PyTorch and vLLM on the same cores
 	$(BIN)/python bench/real_model_bench.py
 
 bench-learn-real: setup ## SmolLM2-135M on generated GSM8K-style data with its defaults: strict/lenient held-out gain, wasted tokens (~1 h)

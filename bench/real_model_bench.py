@@ -1,42 +1,57 @@
-"""SmolLM2-135M-Instruct, a real pretrained model, on a reasoning-gym task through the real stack
-(`relayrl up --model ... --task reasoning_gym:...`): time per phase, engine and trainer
-tokens/s, and, side by side in the same run, plain transformers on the same shapes, so the
-trainer's cost over the bare model is a ratio.
+"""SmolLM2-135M-Instruct through `relayrl up` on the user's path, each part measured inside the
+run against the best the same cores do without relayrl.
 
-The run is in `sync` mode, so a step's phases do not overlap and each is measured alone:
-    generation   the trainer's wait for its scored groups, less the reward phase
-    reward       the last trajectory's finish to its group's last score (reward_timing.jsonl)
-    old logprobs the trainer's no-grad forward over the batch
-    update       forward + backward + optimizer step
-    weight sync  export, push and commit on the engine (the trainer's publish phase)
-Engine tokens/s is generated tokens over generation time; trainer tokens/s is every token of
-the batch (prompt + response) over old logprobs + update. The transformers reference runs
-one no-grad forward and one forward+backward on a batch of the same shape (rows, prompt and
-response lengths as the run's mean), in fp32 on CPU like the trainer, on the same threads.
+The run is the user's: `relayrl up --model ... --data train.jsonl --heldout test.jsonl` on
+the GSM8K-style word problems of make bench-learn-real (relayrl_testkit.word_problems), with
+every training default (mode, learning rate, filter, temperature, budget, micro-batches);
+only the sizes and the steps are small. It runs with `placement:` (the engine on one core,
+the trainer and the services on the other), as on a cluster the engine and the trainer have
+their own accelerators.
+
+Measured inside the run:
+    old logprobs, update, sync   the trainer's own phases per step (steps.jsonl), steps 2..n
+    trainer tokens/s             trained tokens (prompt + response of every row) over old
+                                 logprobs + update
+    engine tokens/s              vLLM's own generation throughput, logged every 10 s by the
+                                 engine, over the intervals it was decoding (the median)
+    peak RSS                     the trainer process's VmHWM, read from /proc during the run
+
+The references, side by side after the run, on the same cores at once:
+    bare PyTorch   transformers' model for the same checkpoint in the trainer's dtype, on the
+                   trainer's core, over the very rows of the run's steps (lengths and
+                   micro-batches as the trainer padded them): a no-grad forward for old
+                   log-probs, a forward and backward pass, one AdamW step
+    vLLM           `LLM.generate` on the engine's core with the engine's settings, over the
+                   run's prompts, as many sequences at once as the engine decoded in the run
+                   (the median of its logged intervals), at the run's temperature and budget,
+                   while the PyTorch reference runs on the other core
 
 The last line is exactly:
-    real-model-bench: trainer_tok_s=<x> engine_tok_s=<y> sync_s=<z> trainer_vs_hf=<ratio>
-where trainer_vs_hf is (old logprobs + update) ÷ (transformers forward + forward/backward).
+    real-model-bench: trainer_vs_torch=<r> engine_vs_vllm=<r> sync_s=<s> peak_rss_gb=<g> \
+trainer_tok_s=<x> engine_tok_s=<y>
+(one line) where trainer_vs_torch = reference seconds / trainer seconds over the same steps and
+engine_vs_vllm = engine tokens/s / vLLM tokens/s. Targets (issue 34): both >= 0.9,
+peak_rss_gb < 4, sync_s <= 0.5.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import yaml
 
-DATASET = "basic_arithmetic"
-OPTIONS = {
-    "max_terms": 2, "max_digits": 2, "operators": ["+", "-"], "allow_parentheses": False,
-    "allow_negation": False,
-}  # fmt: skip
+ENGINE_CPUS, TRAINER_CPUS = "0", "1"
+THROUGHPUT = re.compile(r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -45,150 +60,322 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def up_config(args: argparse.Namespace) -> dict:
     return {
-        "task": {"options": OPTIONS, "train_prompts": 400, "heldout_prompts": args.heldout},
         "train": {
-            "mode": "sync", "steps": args.steps, "batch_groups": args.batch_groups,
-            "samples_per_prompt": args.samples, "max_tokens": args.max_tokens,
-            "micro_batch_size": args.batch_groups * args.samples, "lr": args.lr,
-            "lr_schedule": "constant", "min_lr": 0.0, "checkpoint_interval_steps": args.steps,
+            "steps": args.steps, "batch_groups": args.batch_groups,
+            "samples_per_prompt": args.samples, "checkpoint_interval_steps": args.steps,
         },
-        "eval": {"interval_steps": 0, "sampled": False},
-        "engine": {"max_model_len": 1024, "max_num_seqs": 32},
-        "services": {"trainer": {"algorithm": {"dapo_filter": False}}},
+        "eval": {"interval_steps": 0},
+        "placement": {"engine": ENGINE_CPUS, "trainer": TRAINER_CPUS, "services": TRAINER_CPUS},
     }  # fmt: skip
 
 
-def run_up(model: Path, args: argparse.Namespace, workdir: Path) -> Path:
+# -- the run ---------------------------------------------------------------------------------
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _descendants(root: int) -> list[int]:
+    tree, out, todo = _children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(tree.get(pid, []))
+    return out
+
+
+def _peak_rss_kb(pid: int) -> tuple[str, int] | None:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"VmHWM:\s+(\d+) kB", status)
+    return (cmdline, int(match.group(1))) if match else None
+
+
+class PeakRss:
+    """The largest VmHWM of the run's trainer process(es), sampled every second."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(1.0):
+            for pid in _descendants(self.root):
+                found = _peak_rss_kb(pid)
+                if found and "trainer" in found[0] and "vllm" not in found[0]:
+                    self.peak_kb = max(self.peak_kb, found[1])
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kb / 1024**2
+
+
+def run_up(model: Path, args: argparse.Namespace, workdir: Path) -> tuple[Path, float]:
+    from relayrl_testkit.word_problems import write_dataset
+
     config = workdir / "bench.yaml"
     config.write_text(yaml.safe_dump(up_config(args)))
+    train, heldout = write_dataset(workdir / "data", 400, args.heldout)
     argv = [
         str(Path(sys.executable).parent / "relayrl"), "up", "--model", str(model),
-        "--task", f"reasoning_gym:{args.dataset}", "--config", str(config),
+        "--data", str(train), "--heldout", str(heldout), "--config", str(config),
         "--runs-dir", str(workdir / "runs"),
     ]  # fmt: skip
     log_path = workdir / "up.log"
-    print(f"relayrl up on SmolLM2, {args.steps} sync steps (log: {log_path})", flush=True)
+    print(f"relayrl up on SmolLM2, {args.steps} steps, user defaults, engine on CPU "
+          f"{ENGINE_CPUS}, trainer and services on CPU {TRAINER_CPUS} (log: {log_path})",
+          flush=True)  # fmt: skip
     started = time.monotonic()
     with log_path.open("wb") as log:
-        code = subprocess.call(argv, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        watch = PeakRss(process.pid)
+        code = process.wait()
+        peak_gb = watch.stop()
     output = log_path.read_text(errors="replace")
     if code != 0:
         sys.exit(f"real-model-bench: relayrl up exited {code}:\n{output[-3000:]}")
     print(f"  done in {time.monotonic() - started:.0f} s", flush=True)
+    for line in output.splitlines():
+        if line.startswith("training settings for"):
+            print("  " + line, flush=True)
     print("  " + output.strip().splitlines()[-1], flush=True)  # relayrl up's own summary
     line = next(x for x in output.splitlines() if x.startswith("relayrl up: run "))
-    return Path(line.rsplit(" ", 1)[-1])
+    return Path(line.rsplit(" ", 1)[-1]), peak_gb
 
 
-def mean_prompt_tokens(run_dir: Path, model: Path) -> float:
-    """Mean prompt length of the run's training prompts, rendered as the gateway does."""
+def engine_tok_s(run_dir: Path) -> tuple[float, int, int]:
+    """The median of vLLM's logged generation throughput over the intervals it was decoding
+    (the engine logs it every 10 s), how many intervals that is, and the median number of
+    sequences it was decoding at once."""
+    rates, running_counts = [], []
+    for log in sorted(run_dir.rglob("*.log")):
+        if "engine" not in str(log.relative_to(run_dir)):
+            continue
+        for match in THROUGHPUT.finditer(log.read_text(errors="replace")):
+            rate, running = float(match.group(1)), int(match.group(2))
+            if running > 0 and rate > 0:
+                rates.append(rate)
+                running_counts.append(running)
+    if not rates:
+        sys.exit(f"real-model-bench: no engine throughput lines in {run_dir}")
+    return statistics.median(rates), len(rates), round(statistics.median(running_counts))
+
+
+# -- the references --------------------------------------------------------------------------
+
+
+def vllm_reference(model: Path, prompts: list[str], rows: int, settings: dict, out: Path,
+                   stop: Path) -> subprocess.Popen:  # fmt: skip
+    """Starts `LLM.generate` rounds on the engine's core until `stop` exists: `rows` sequences
+    decoded at once (max_num_seqs), four times as many prompts queued per round so that the
+    batch stays full as sequences finish, as the run's queue keeps it; each round's tokens and
+    seconds are appended to `out`."""
+    script = f"""
+import json, time, os
+from pathlib import Path
+from vllm import LLM, SamplingParams
+llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True,
+          distributed_executor_backend="uni", max_model_len={settings["max_model_len"]},
+          max_num_seqs={rows}, seed=0, enable_prefix_caching=False,
+          logprobs_mode="processed_logprobs")
+prompts = {prompts!r}
+params = SamplingParams(temperature={settings["temperature"]}, max_tokens={settings["max_tokens"]},
+                        logprobs=0)
+Path({str(out)!r}).write_text("")
+n = 0
+while not Path({str(stop)!r}).exists():
+    batch = [prompts[(n * {4 * rows} + i) % len(prompts)] for i in range({4 * rows})]
+    n += 1
+    started = time.perf_counter()
+    results = llm.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    with open({str(out)!r}, "a") as f:
+        f.write(json.dumps({{"tokens": tokens, "seconds": seconds}}) + "\\n")
+"""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings["kv_cache_gib"]))
+    return subprocess.Popen(
+        ["taskset", "-c", ENGINE_CPUS, sys.executable, "-c", script],
+        env=env, stdout=subprocess.DEVNULL, stderr=(out.parent / "vllm-reference.log").open("w"),
+    )  # fmt: skip
+
+
+def micro_batches(lengths: list[int], rows: int, tokens: int | None) -> list[list[int]]:
+    import torch
+
+    from relayrl.trainer.forward import TokenBatch
+    from relayrl.trainer.forward import micro_batches as split
+
+    width = max(lengths)
+    batch = TokenBatch(torch.zeros(len(lengths), width, dtype=torch.long), torch.tensor(lengths))
+    return [[lengths[i] for i in range(m.rows.start, m.rows.stop)]
+            for m in split(batch, rows, tokens)]  # fmt: skip
+
+
+def torch_reference(model: Path, steps: list[dict], training: dict, repeats: int) -> list[dict]:
+    """Seconds of the three phases of each step over its own rows, bare PyTorch, fp32, on this
+    process's CPUs (the trainer's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.train()
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=training["lr"])
+    gen = torch.Generator().manual_seed(0)
+    temperature = training["temperature"]
+
+    def logp(ids: torch.Tensor) -> torch.Tensor:
+        logits = hf(ids).logits[:, :-1].float() / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    def one(step: dict) -> dict:
+        parts = [
+            torch.randint(3, hf.config.vocab_size, (len(mb), max(mb)), generator=gen)
+            for mb in micro_batches(
+                step["row_tokens"], training["micro_batch_size"], training["micro_batch_tokens"]
+            )
+        ]
+        clock = time.perf_counter()
+        with torch.no_grad():
+            for ids in parts:
+                logp(ids)
+        old = time.perf_counter() - clock
+        clock = time.perf_counter()
+        for ids in parts:
+            (logp(ids).sum() * 1e-3).backward()
+        forward_backward = time.perf_counter() - clock
+        clock = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return {"old_logprobs": old, "fwd_bwd": forward_backward,
+                "optimizer": time.perf_counter() - clock}  # fmt: skip
+
+    one(steps[0])  # warm-up: allocator, Adam's state
+    out = []
+    for step in steps:
+        runs = [one(step) for _ in range(repeats)]
+        out.append({k: statistics.median(r[k] for r in runs) for k in runs[0]})
+    return out
+
+
+def rendered_prompts(run_dir: Path, model: Path) -> list[str]:
     from transformers import AutoTokenizer
 
     from relayrl.conversation.rendering import render
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    records = read_jsonl(run_dir / "data" / "prompts.jsonl")[:200]
-    lengths = [
-        len(tokenizer.encode(render(tokenizer, r["messages"], None, True),
-                             add_special_tokens=False))
-        for r in records
-    ]  # fmt: skip
-    return statistics.fmean(lengths)
+    records = read_jsonl(run_dir / "data" / "prompts.jsonl")[:64]
+    return [render(tokenizer, r["messages"], None, True) for r in records]
 
 
-def transformers_reference(
-    model: Path, rows: int, length: int, repeats: int
-) -> tuple[float, float]:
-    """Median seconds of one no-grad forward and of one forward+backward on `rows` x `length`
-    tokens, plain transformers, fp32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf.train()
-    ids = torch.randint(
-        3, hf.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(0)
-    )
-    forward, backward = [], []
-    for _ in range(repeats + 1):  # the first of each is a warm-up
-        started = time.perf_counter()
-        with torch.no_grad():
-            hf(ids)
-        forward.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        logits = hf(ids).logits
-        torch.log_softmax(logits.float(), dim=-1).mean().backward()
-        hf.zero_grad(set_to_none=True)
-        backward.append(time.perf_counter() - started)
-    return statistics.median(forward[1:]), statistics.median(backward[1:])
+# -- the report ------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-groups", type=int, default=2)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--heldout", type=int, default=40)
-    parser.add_argument("--lr", type=float, default=2e-6)
-    parser.add_argument("--dataset", default=DATASET)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--heldout", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
+    available = os.sched_getaffinity(0)
+    if not {int(ENGINE_CPUS), int(TRAINER_CPUS)} <= available:
+        sys.exit(f"real-model-bench: needs CPUs {ENGINE_CPUS} and {TRAINER_CPUS}, "
+                 f"this process may use {sorted(available)}")  # fmt: skip
 
     from relayrl_testkit.helpers.real_model import smollm2_dir
 
     model = smollm2_dir("fp32")
     with tempfile.TemporaryDirectory(prefix="real-model-bench-") as tmp:
-        run_dir = run_up(model, args, Path(tmp))
-        steps = read_jsonl(run_dir / "trainer" / "steps.jsonl")
-        timing = {r["step"]: r for r in read_jsonl(run_dir / "reward_timing.jsonl")}
-        evals = read_jsonl(run_dir / "eval.jsonl")
-        prompt_len = mean_prompt_tokens(run_dir, model)
+        workdir = Path(tmp)
+        run_dir, peak_gb = run_up(model, args, workdir)
+        steps = read_jsonl(run_dir / "trainer" / "steps.jsonl")[1:]  # step 1 pays warm-ups
+        run = json.loads((run_dir / "run.json").read_text())
+        training = run["training"]
+        engine_rate, intervals, running = engine_tok_s(run_dir)
+        prompts = rendered_prompts(run_dir, model)
+        stack = yaml.safe_load((workdir / "bench.yaml").read_text())
+        settings = {
+            "max_model_len": 1024, "kv_cache_gib": 1,
+            **stack.get("engine", {}),
+            "temperature": training["temperature"], "max_tokens": training["max_tokens"],
+        }  # fmt: skip
+        out, stop = workdir / "vllm-reference.jsonl", workdir / "stop"
+        print(f"references: vLLM on CPU {ENGINE_CPUS} beside bare PyTorch on CPU "
+              f"{TRAINER_CPUS}", flush=True)  # fmt: skip
+        vllm = vllm_reference(model, prompts, running, settings, out, stop)
+        os.sched_setaffinity(0, {int(TRAINER_CPUS)})
+        try:
+            while not out.exists() and vllm.poll() is None:  # the engine is generating first
+                time.sleep(1)
+            reference = torch_reference(model, steps, training, args.repeats)
+        finally:
+            stop.touch()
+            vllm.wait(timeout=600)
+        rounds = read_jsonl(out)[1:] if out.exists() else []  # the first round warms up
+        if not rounds:
+            log = (workdir / "vllm-reference.log").read_text()[-2000:]
+            sys.exit(f"real-model-bench: the vLLM reference generated nothing:\n{log}")
+        vllm_rate = sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds)
 
-    rows = args.batch_groups * args.samples
-    response_len = statistics.fmean(r["trained_response_len_mean"] for r in steps)
-    names = ("generation", "reward", "old_logprobs", "update", "sync")
-    phases: dict[str, list[float]] = {name: [] for name in names}
-    generated = 0.0
-    for record in steps[1:]:  # the first step also pays the engine's and trainer's warm-up
-        p = record["phases_s"]
-        reward = timing.get(record["step"], {}).get("t_collect_s", 0.0)
-        phases["reward"].append(reward)
-        phases["generation"].append(max(p["wait"] - reward, 1e-9))
-        phases["old_logprobs"].append(p["old_logprobs"])
-        phases["update"].append(p["update"])
-        phases["sync"].append(p["publish"])
-        generated += record["trained_tokens"]
-    trainer_tokens = rows * (prompt_len + response_len)
-    trainer_s = statistics.fmean(phases["old_logprobs"]) + statistics.fmean(phases["update"])
-    trainer_tok_s = trainer_tokens / trainer_s
-    engine_tok_s = generated / sum(phases["generation"])
+    phases = {
+        name: [float(s["phases_s"].get(key, 0.0)) for s in steps]
+        for name, key in (("old_logprobs", "old_logprobs"), ("update", "update"),
+                          ("sync", "publish"), ("wait", "wait"))
+    }  # fmt: skip
+    trainer_s = sum(phases["old_logprobs"]) + sum(phases["update"])
+    reference_s = sum(sum(r.values()) for r in reference)
+    trained_tokens = sum(s["trained_tokens"] for s in steps)
+    trainer_rate = trained_tokens / trainer_s
     sync_s = statistics.median(phases["sync"])
-
-    hf_forward, hf_backward = transformers_reference(
-        model, rows, round(prompt_len + response_len), args.repeats
-    )
-    ratio = trainer_s / (hf_forward + hf_backward)
+    mean_len = statistics.fmean(n for s in steps for n in s["row_tokens"])
 
     print()
-    print(f"SmolLM2-135M-Instruct on reasoning_gym:{args.dataset}, sync, {rows} rows per step "
-          f"(prompt {prompt_len:.0f} + response {response_len:.0f} tokens on average), "
-          f"steps 2..{len(steps)}")  # fmt: skip
-    print(f"{'phase':<14}{'mean s':>9}{'max s':>9}")
-    for name, values in phases.items():
-        print(f"{name:<14}{statistics.fmean(values):>9.2f}{max(values):>9.2f}")
-    print(f"{'hf forward':<14}{hf_forward:>9.2f}")
-    print(f"{'hf fwd+bwd':<14}{hf_backward:>9.2f}")
-    start = next(e for e in evals if e["kind"] == "warm_start")
-    final = next(e for e in reversed(evals) if e["kind"] == "final")
-    rewards = f"{steps[0]['reward_mean']:.2f} -> {steps[-1]['reward_mean']:.2f}"
+    print(f"SmolLM2-135M-Instruct on word problems, {run['mode']}, steps "
+          f"2..{len(steps) + 1}: {statistics.fmean(len(s['row_tokens']) for s in steps):.1f} "
+          f"rows of {mean_len:.0f} tokens (prompt + response) per step")  # fmt: skip
+    print(f"{'phase':<28}{'relayrl s':>10}{'torch s':>10}{'ratio':>8}")
+    ref = {k: sum(r[k] for r in reference) for k in reference[0]}
+    old_ratio = ref["old_logprobs"] / sum(phases["old_logprobs"])
+    update_ref = ref["fwd_bwd"] + ref["optimizer"]
+    print(f"{'old logprobs':<28}{sum(phases['old_logprobs']):>10.2f}"
+          f"{ref['old_logprobs']:>10.2f}{old_ratio:>8.2f}")  # fmt: skip
+    print(f"{'update (fwd+bwd+optimizer)':<28}{sum(phases['update']):>10.2f}"
+          f"{update_ref:>10.2f}{update_ref / sum(phases['update']):>8.2f}")  # fmt: skip
+    print(f"{'  torch fwd+bwd':<28}{'':>10}{ref['fwd_bwd']:>10.2f}")
+    print(f"{'  torch AdamW':<28}{'':>10}{ref['optimizer']:>10.2f}")
+    print(f"{'weight sync per version':<28}{sync_s:>10.2f}")
+    print(f"{'trainer wait for groups':<28}{sum(phases['wait']):>10.2f}")
+    print(f"engine: {engine_rate:.1f} tokens/s inside the run (median of {intervals} intervals); "
+          f"vLLM LLM.generate, {running} sequences at once (the run's median): "
+          f"{vllm_rate:.1f} tokens/s over "
+          f"{len(rounds)} rounds")  # fmt: skip
+    print(f"trainer peak RSS {peak_gb:.2f} GB; {trained_tokens:.0f} trained tokens")
     print(
-        f"held-out accuracy (greedy, n={final['n']}): {start['accuracy']:.1%} at version 0 -> "
-        f"{final['accuracy']:.1%} at version {final['version']}; train reward {rewards}"
-    )
-    print(
-        f"real-model-bench: trainer_tok_s={trainer_tok_s:.1f} engine_tok_s={engine_tok_s:.1f} "
-        f"sync_s={sync_s:.2f} trainer_vs_hf={ratio:.2f}"
+        f"real-model-bench: trainer_vs_torch={reference_s / trainer_s:.2f} "
+        f"engine_vs_vllm={engine_rate / vllm_rate:.2f} sync_s={sync_s:.2f} "
+        f"peak_rss_gb={peak_gb:.2f} trainer_tok_s={trainer_rate:.1f} "
+        f"engine_tok_s={engine_rate:.1f}"
     )
 
 
