@@ -19,7 +19,7 @@ backward (attention's share is left out, so it errs low), over the device's dens
 It prints the phase table and ends with exactly
     gpu-trainer-check: trainer_vs_torch=<r> mfu=<m> torch_mfu=<m> ok=<bool>
 where trainer_vs_torch = reference seconds / relayrl seconds (target >= 0.9, issue 34); ok is
-whether both sides ran and gave finite, matching log-probs. Exits 1 when ok is false.
+whether both sides ran and gave finite times and matching log-probs. Exits 1 when ok is false.
 tests/gpu/test_gpu_trainer_check.py runs it (marked `gpu`).
 """
 
@@ -34,7 +34,10 @@ from pathlib import Path
 
 # dense bf16 peak FLOP/s by device name (NVIDIA's data sheets, SXM parts)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
-LOGP_TOL = 0.1  # bf16 on both sides, different kernels: per-token log-probs agree to ~1e-2
+# bf16 on both sides, 30 layers, rounded at different points (megatron keeps the norms' weights
+# in fp32): a token's log-prob differs by 0.07 on average and 0.31 at worst on CPU. A wrong
+# weight mapping or mask differs by whole nats.
+LOGP_MAX_TOL, LOGP_MEAN_TOL = 2.0, 0.2
 
 
 def peak_flops(name: str) -> float | None:
@@ -186,12 +189,14 @@ def main() -> int:
     theirs, their_logp, n_params = torch_side(hf_dir, lengths, args)
 
     # the same log-probs: position t of relayrl's row is token t scored by position t - 1
-    worst, row = 0.0, 0
+    diffs, row = [], 0
     for part in their_logp:
         for r in range(part.shape[0]):
             n = lengths[row]
-            worst = max(worst, float((ours_logp[row, 1:n] - part[r, : n - 1]).abs().max()))
+            diffs.append((ours_logp[row, 1:n] - part[r, : n - 1]).abs())
             row += 1
+    every = torch.cat(diffs)
+    worst, mean = float(every.max()), float(every.mean())
     tokens = sum(lengths)
     flops = {"old_logprobs": 2 * n_params * tokens, "fwd_bwd": 6 * n_params * tokens}
     peak = peak_flops(device)
@@ -203,8 +208,12 @@ def main() -> int:
     work = sum(flops.values())
     mfu = work / ours_s / peak if peak else math.nan
     torch_mfu = work / theirs_s / peak if peak else math.nan
-    print(f"log-probs max |relayrl - torch| = {worst:.4f} (tolerance {LOGP_TOL})")
-    ok = all(math.isfinite(v) for v in (*ours.values(), *theirs.values())) and worst <= LOGP_TOL
+    print(
+        f"log-probs |relayrl - torch|: max {worst:.4f} (tolerance {LOGP_MAX_TOL}), mean "
+        f"{mean:.4f} (tolerance {LOGP_MEAN_TOL})"
+    )
+    finite = all(math.isfinite(v) for v in (*ours.values(), *theirs.values()))
+    ok = finite and worst <= LOGP_MAX_TOL and mean <= LOGP_MEAN_TOL
     print(
         f"gpu-trainer-check: trainer_vs_torch={theirs_s / ours_s:.2f} mfu={mfu:.3f} "
         f"torch_mfu={torch_mfu:.3f} ok={str(ok).lower()}"
