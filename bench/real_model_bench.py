@@ -37,128 +37,81 @@ peak_rss_gb < 4, sync_s <= 0.5.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import yaml
+from up_runs import UpRun, default_placement, read_jsonl, run_up
 
-ENGINE_CPUS, TRAINER_CPUS = "0", "1"
 THROUGHPUT = re.compile(r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs")
+VM_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def up_config(args: argparse.Namespace) -> dict:
+def up_config(args: argparse.Namespace, placement: dict[str, str]) -> dict:
     return {
         "train": {
             "steps": args.steps, "batch_groups": args.batch_groups,
             "samples_per_prompt": args.samples, "checkpoint_interval_steps": args.steps,
         },
         "eval": {"interval_steps": 0},
-        "placement": {"engine": ENGINE_CPUS, "trainer": TRAINER_CPUS, "services": TRAINER_CPUS},
+        "placement": placement,
     }  # fmt: skip
 
 
 # -- the run ---------------------------------------------------------------------------------
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
+class TrainerPeakRss:
+    """The largest VmHWM of the run's trainer process (each one, if it restarted), read from
+    /proc each time `relayrl up`'s watcher calls it; VmHWM is the kernel's own high-water mark,
+    so the polling interval loses nothing."""
 
-
-def _descendants(root: int) -> list[int]:
-    tree, out, todo = _children(), [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(tree.get(pid, []))
-    return out
-
-
-def _peak_rss_kb(pid: int) -> tuple[str, int] | None:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    match = re.search(r"VmHWM:\s+(\d+) kB", status)
-    return (cmdline, int(match.group(1))) if match else None
-
-
-class PeakRss:
-    """The largest VmHWM of the run's trainer process(es), sampled every second."""
-
-    def __init__(self, root: int) -> None:
-        self.root = root
+    def __init__(self) -> None:
         self.peak_kb = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
 
-    def _watch(self) -> None:
-        while not self._stop.wait(1.0):
-            for pid in _descendants(self.root):
-                found = _peak_rss_kb(pid)
-                if found and "trainer" in found[0] and "vllm" not in found[0]:
-                    self.peak_kb = max(self.peak_kb, found[1])
+    def __call__(self, run_dir: Path) -> bool:
+        from relayrl_testkit.helpers.up import stack_pid
 
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
+        pid = stack_pid(run_dir, "trainer")
+        try:
+            status = Path(f"/proc/{pid}/status").read_text() if pid else ""
+        except OSError:
+            status = ""
+        if match := VM_HWM.search(status):
+            self.peak_kb = max(self.peak_kb, int(match.group(1)))
+        return False  # keep watching until the run ends
+
+    @property
+    def gb(self) -> float:
         return self.peak_kb / 1024**2
 
 
-def run_up(model: Path, args: argparse.Namespace, workdir: Path) -> tuple[Path, float]:
+def run_bench(model: Path, args: argparse.Namespace, workdir: Path,
+              placement: dict[str, str]) -> tuple[UpRun, float]:  # fmt: skip
     from relayrl_testkit.word_problems import write_dataset
 
-    config = workdir / "bench.yaml"
-    config.write_text(yaml.safe_dump(up_config(args)))
     train, heldout = write_dataset(workdir / "data", 400, args.heldout)
-    argv = [
-        str(Path(sys.executable).parent / "relayrl"), "up", "--model", str(model),
-        "--data", str(train), "--heldout", str(heldout), "--config", str(config),
-        "--runs-dir", str(workdir / "runs"),
-    ]  # fmt: skip
-    log_path = workdir / "up.log"
     print(f"relayrl up on SmolLM2, {args.steps} steps, user defaults, engine on CPU "
-          f"{ENGINE_CPUS}, trainer and services on CPU {TRAINER_CPUS} (log: {log_path})",
-          flush=True)  # fmt: skip
-    started = time.monotonic()
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        watch = PeakRss(process.pid)
-        code = process.wait()
-        peak_gb = watch.stop()
-    output = log_path.read_text(errors="replace")
-    if code != 0:
-        sys.exit(f"real-model-bench: relayrl up exited {code}:\n{output[-3000:]}")
-    print(f"  done in {time.monotonic() - started:.0f} s", flush=True)
+          f"{placement['engine']}, trainer and services on CPU {placement['trainer']} "
+          f"(log: {workdir / 'real-model.log'})", flush=True)  # fmt: skip
+    peak = TrainerPeakRss()
+    run = run_up(
+        "real-model", up_config(args, placement), workdir, bench="real-model-bench",
+        extra_args=["--model", str(model), "--data", str(train), "--heldout", str(heldout)],
+        watch=peak,
+    )  # fmt: skip
+    print(f"  done in {run.wall_s:.0f} s", flush=True)
+    output = (workdir / "real-model.log").read_text(errors="replace")
     for line in output.splitlines():
         if line.startswith("training settings for"):
             print("  " + line, flush=True)
     print("  " + output.strip().splitlines()[-1], flush=True)  # relayrl up's own summary
-    line = next(x for x in output.splitlines() if x.startswith("relayrl up: run "))
-    return Path(line.rsplit(" ", 1)[-1]), peak_gb
+    return run, peak.gb
 
 
 def engine_tok_s(run_dir: Path) -> tuple[float, int, int]:
@@ -166,9 +119,7 @@ def engine_tok_s(run_dir: Path) -> tuple[float, int, int]:
     (the engine logs it every 10 s), how many intervals that is, and the median number of
     sequences it was decoding at once."""
     rates, running_counts = [], []
-    for log in sorted(run_dir.rglob("*.log")):
-        if "engine" not in str(log.relative_to(run_dir)):
-            continue
+    for log in sorted((run_dir / "logs").glob("engine-*.log")):
         for match in THROUGHPUT.finditer(log.read_text(errors="replace")):
             rate, running = float(match.group(1)), int(match.group(2))
             if running > 0 and rate > 0:
@@ -213,7 +164,7 @@ while not Path({str(stop)!r}).exists():
 """
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(settings["kv_cache_gib"]))
     return subprocess.Popen(
-        ["taskset", "-c", ENGINE_CPUS, sys.executable, "-c", script],
+        ["taskset", "-c", settings["cpus"], sys.executable, "-c", script],
         env=env, stdout=subprocess.DEVNULL, stderr=(out.parent / "vllm-reference.log").open("w"),
     )  # fmt: skip
 
@@ -298,33 +249,32 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
-    available = os.sched_getaffinity(0)
-    if not {int(ENGINE_CPUS), int(TRAINER_CPUS)} <= available:
-        sys.exit(f"real-model-bench: needs CPUs {ENGINE_CPUS} and {TRAINER_CPUS}, "
-                 f"this process may use {sorted(available)}")  # fmt: skip
+    placement = default_placement()
+    if placement is None:
+        sys.exit("real-model-bench: needs 2 CPUs or more (the engine on its own)")
 
+    from relayrl.up.config import parse_cpu_list
     from relayrl_testkit.helpers.real_model import smollm2_dir
 
     model = smollm2_dir("fp32")
     with tempfile.TemporaryDirectory(prefix="real-model-bench-") as tmp:
         workdir = Path(tmp)
-        run_dir, peak_gb = run_up(model, args, workdir)
-        steps = read_jsonl(run_dir / "trainer" / "steps.jsonl")[1:]  # step 1 pays warm-ups
-        run = json.loads((run_dir / "run.json").read_text())
-        training = run["training"]
-        engine_rate, intervals, running = engine_tok_s(run_dir)
-        prompts = rendered_prompts(run_dir, model)
-        stack = yaml.safe_load((workdir / "bench.yaml").read_text())
+        run, peak_gb = run_bench(model, args, workdir, placement)
+        steps = run.steps[1:]  # step 1 pays the warm-ups
+        state, engine = run.state, run.config["engine"]
+        training = state["training"]
+        engine_rate, intervals, running = engine_tok_s(run.run_dir)
+        prompts = rendered_prompts(run.run_dir, model)
         settings = {
-            "max_model_len": 1024, "kv_cache_gib": 1,
-            **stack.get("engine", {}),
-            "temperature": training["temperature"], "max_tokens": training["max_tokens"],
+            "cpus": placement["engine"], "max_model_len": engine["max_model_len"],
+            "kv_cache_gib": engine["kv_cache_gib"], "temperature": training["temperature"],
+            "max_tokens": training["max_tokens"],
         }  # fmt: skip
         out, stop = workdir / "vllm-reference.jsonl", workdir / "stop"
-        print(f"references: vLLM on CPU {ENGINE_CPUS} beside bare PyTorch on CPU "
-              f"{TRAINER_CPUS}", flush=True)  # fmt: skip
+        print(f"references: vLLM on CPU {placement['engine']} beside bare PyTorch on CPU "
+              f"{placement['trainer']}", flush=True)  # fmt: skip
         vllm = vllm_reference(model, prompts, running, settings, out, stop)
-        os.sched_setaffinity(0, {int(TRAINER_CPUS)})
+        os.sched_setaffinity(0, parse_cpu_list(placement["trainer"]))
         try:
             while not out.exists() and vllm.poll() is None:  # the engine is generating first
                 time.sleep(1)
@@ -351,7 +301,7 @@ def main() -> None:
     mean_len = statistics.fmean(n for s in steps for n in s["row_tokens"])
 
     print()
-    print(f"SmolLM2-135M-Instruct on word problems, {run['mode']}, steps "
+    print(f"SmolLM2-135M-Instruct on word problems, {state['mode']}, steps "
           f"2..{len(steps) + 1}: {statistics.fmean(len(s['row_tokens']) for s in steps):.1f} "
           f"rows of {mean_len:.0f} tokens (prompt + response) per step")  # fmt: skip
     print(f"{'phase':<28}{'relayrl s':>10}{'torch s':>10}{'ratio':>8}")

@@ -215,12 +215,18 @@ def stack_state(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "stack.json").read_text())
 
 
-def stack_pids(run_dir: Path) -> list[int]:
+def _stack_children(run_dir: Path) -> dict[str, dict]:
     path = run_dir / "stack.json"
-    if not path.exists():
-        return []
-    children = json.loads(path.read_text())["children"]
-    return [c["pid"] for c in children.values() if c.get("pid")]
+    return json.loads(path.read_text())["children"] if path.exists() else {}
+
+
+def stack_pids(run_dir: Path) -> list[int]:
+    return [c["pid"] for c in _stack_children(run_dir).values() if c.get("pid")]
+
+
+def stack_pid(run_dir: Path, child: str) -> int | None:
+    """The PID the stack recorded for `child` (`trainer`, `engine-0`, ...), if it has one."""
+    return _stack_children(run_dir).get(child, {}).get("pid") or None
 
 
 def kill_group(pid: int) -> None:
