@@ -2,6 +2,8 @@
 weight-sync's `data_plane.transport` setting gives:
 
     grpc               each worker pulls the buckets from the service (PullBuckets streaming)
+    shm                the same pull, but a worker on the service's host reads each bucket
+                       from the shared-memory file the sender wrote (relayrl.transfer.shm)
     torch_distributed  the service broadcasts them to every worker of every replica
     mooncake           the service writes them into every worker's registered buffers
 
@@ -58,6 +60,9 @@ class Receiving:
     resources: KeptResources | None
     """What the worker keeps across transfers (a Mooncake engine); None: nothing, each
     backend starts its own per transfer."""
+    shm_dir: str = ""
+    shm_token: str = ""
+    """The plan's shared-memory slot and its host token (empty: none)."""
 
 
 class DataPlane(abc.ABC):
@@ -72,12 +77,18 @@ class DataPlane(abc.ABC):
 
 class GrpcPull(DataPlane):
     """Each worker pulls the buckets from the service, into one reused buffer hashed as it
-    fills (no per-bucket join, no second pass)."""
+    fills (no per-bucket join, no second pass). With `shm`, a worker that shares the service's
+    host reads the buckets the sender left in shared memory from their files instead (into
+    the same buffer, hashed the same way); a worker elsewhere pulls their bytes."""
 
     broadcast = False
 
+    def __init__(self, *, shm: bool = False) -> None:
+        self._shm = shm
+
     def buckets(self, receiving: Receiving) -> Buckets:
         from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
+        from relayrl.transfer.shm import shares_host
 
         request, layouts = receiving.request, receiving.layouts
         transfer_id = request.transfer_id
@@ -85,23 +96,35 @@ class GrpcPull(DataPlane):
         view = memoryview(buffer.numpy())
         hasher = hashlib.sha256()
         filled = 0
+        local = self._shm and shares_host(receiving.shm_dir, receiving.shm_token)
         stream = receiving.stub.PullBuckets(
-            pb.PullBucketsRequest(replica_id=request.replica_id, transfer_id=transfer_id),
+            pb.PullBucketsRequest(
+                replica_id=request.replica_id, transfer_id=transfer_id, shm=local
+            ),
             timeout=max(1.0, receiving.deadline - time.monotonic()),
         )
         for chunk in stream:
-            payload = chunk.data  # each access to a bytes field copies it (upb): once per chunk
-            size = len(payload)
-            if chunk.offset_bytes != filled or filled + size > len(view):
-                raise ReceiveError(
-                    f"transport: bucket {chunk.bucket_index} of {transfer_id}: chunk at offset "
-                    f"{chunk.offset_bytes} does not fit the plan"
-                )
-            view[filled : filled + size] = payload
-            hasher.update(payload)
-            filled += size
-            if not chunk.last:
-                continue
+            if chunk.shm:
+                if not local or filled:
+                    raise ReceiveError(
+                        f"transport: bucket {chunk.bucket_index} of {transfer_id} came as a "
+                        "shared-memory file this worker did not ask for"
+                    )
+                filled = self._read_file(receiving, chunk.bucket_index, view)
+                hasher.update(view[:filled])
+            else:
+                payload = chunk.data  # each access to a bytes field copies it (upb): once
+                size = len(payload)
+                if chunk.offset_bytes != filled or filled + size > len(view):
+                    raise ReceiveError(
+                        f"transport: bucket {chunk.bucket_index} of {transfer_id}: chunk at "
+                        f"offset {chunk.offset_bytes} does not fit the plan"
+                    )
+                view[filled : filled + size] = payload
+                hasher.update(payload)
+                filled += size
+                if not chunk.last:
+                    continue
             digest = hasher.hexdigest()
             if digest != chunk.bucket_sha256:
                 raise ReceiveError(
@@ -110,6 +133,23 @@ class GrpcPull(DataPlane):
                 )
             yield chunk.bucket_index, buffer[:filled], digest
             hasher, filled = hashlib.sha256(), 0
+
+    @staticmethod
+    def _read_file(receiving: Receiving, index: int, view: memoryview) -> int:
+        """Bucket `index` from the transfer's shared-memory slot into `view`; its size."""
+        from relayrl.transfer.shm import read_bucket
+
+        transfer_id = receiving.request.transfer_id
+        if not 0 <= index < len(receiving.layouts):
+            raise ReceiveError(f"transport: bucket {index} is not in the plan of {transfer_id}")
+        size = receiving.layouts[index].size_bytes
+        try:
+            read_bucket(receiving.shm_dir, index, view[:size])
+        except OSError as exc:
+            raise ReceiveError(
+                f"transport: bucket {index} of {transfer_id} in shared memory: {exc}"
+            ) from None
+        return size
 
 
 class Broadcast(DataPlane):
@@ -156,5 +196,6 @@ class Broadcast(DataPlane):
 
 DATA_PLANES: Final[Mapping[str, DataPlane]] = {
     "grpc": GrpcPull(),
+    "shm": GrpcPull(shm=True),
     **{name: Broadcast() for name in TRANSPORTS},
 }

@@ -6,6 +6,7 @@ coordinator announced); the buckets come over the data plane the coordinator cho
 `relayrl.transfer.data_planes.DATA_PLANES`:
 
     grpc               the worker pulls them from the service (PullBuckets streaming)
+    shm                the same, but on the service's host it reads them from shared memory
     torch_distributed  the service broadcasts them to every worker of every replica
     mooncake           the service writes them into this worker's registered buffers
 
@@ -136,7 +137,9 @@ def receive_tensors(
                 f"transport: the plan of {transfer_id} differs from the one the coordinator "
                 "announced; refusing to load"
             )
-        receiving = Receiving(request, layouts, stub, deadline, worker_rank, resources)
+        receiving = Receiving(
+            request, layouts, stub, deadline, worker_rank, resources, plan.shm_dir, plan.shm_token
+        )
         digests: list[str] = []
         yield from _tensors(plan, layouts, plane.buckets(receiving), dtype, digests, engine_fp8)
         if len(digests) != len(layouts):

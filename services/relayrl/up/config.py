@@ -32,7 +32,7 @@ from relayrl.up.defaults import (
 Mode = Literal["sync", "colocate_async", "separate_async"]
 BUILTIN_TASKS = ("arith", "lookup")
 REASONING_GYM_PREFIX = "reasoning_gym:"
-Transport = Literal["grpc", "torch_distributed", "mooncake"]
+Transport = Literal["shm", "grpc", "torch_distributed", "mooncake"]
 
 # eta when the mode is given and eta is not.
 DEFAULT_ETA: dict[str, int] = {"sync": 0, "colocate_async": 1, "separate_async": 1}
@@ -288,9 +288,12 @@ class EngineSection(StrictModel):
 
 class WeightSyncSection(StrictModel):
     transport: Transport = Field(
-        "grpc",
-        description="Data plane from weight-sync into the engine: grpc, torch_distributed "
-        "(gloo here) or mooncake (needs a private network namespace here).",
+        "shm",
+        description="Data plane from the trainer through weight-sync into the engine: shm "
+        "(every part of relayrl up shares this host, so each bucket is written once into "
+        "shared memory and read by the engine from there; docs/weightsync.md#shared-memory), "
+        "grpc, torch_distributed (gloo here) or mooncake (needs a private network namespace "
+        "here).",
     )
 
 

@@ -52,20 +52,27 @@ class DataPlaneSettings(StrictModel):
     """How buckets go from this service to the engines' workers (senders always push to the
     service over gRPC; the service keeps the version in host memory and fans it out)."""
 
-    transport: Literal["grpc", "torch_distributed", "mooncake"] = Field(
+    transport: Literal["grpc", "shm", "torch_distributed", "mooncake"] = Field(
         "grpc",
         description="grpc: every worker pulls the buckets over gRPC streaming (always works). "
+        "shm: senders and workers on this service's host write and read each bucket in a "
+        "shared-memory file (shm_dir), the others push and pull over gRPC as with grpc. "
         "torch_distributed: one broadcast per bucket from this service to every worker of every "
         "replica (gloo on CPU, nccl with device cuda). mooncake: the Mooncake transfer engine "
         "writes each bucket into every worker's registered buffers (TCP, or RDMA).",
     )
     cut_through: bool = Field(
         True,
-        description="grpc only: the switch starts when a version's first bucket arrives and "
+        description="grpc and shm: the switch starts when a version's first bucket arrives and "
         "workers pull each bucket as soon as it is here, so the push and the pull overlap (a "
         "version reaches the engines sooner, but their pause also covers the rest of the "
         "push); false: the switch starts once the whole version is here. The broadcast data "
         "planes always send a complete version.",
+    )
+    shm_dir: Path = Field(
+        Path("/dev/shm"),
+        description="shm only: the tmpfs under which this service keeps its buckets (a folder "
+        "of its own, mode 0700, removed when it stops).",
     )
     host: str | None = Field(
         None,

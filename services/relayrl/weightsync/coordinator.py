@@ -210,14 +210,23 @@ class Coordinator:
         )
 
     def put_bucket(
-        self, transfer_id: str, index: int, data: bytes, sha256: str, *, delta: bool = False
+        self,
+        transfer_id: str,
+        index: int,
+        data: bytes,
+        sha256: str,
+        *,
+        delta: bool = False,
+        shm: bool = False,
     ) -> None:
-        """Keeps one pushed bucket (`delta`: a delta of its base's). The last one of a transfer
-        starts its switch -- or, cut through, the first one: the workers then pull each bucket
-        as it arrives."""
+        """Keeps one pushed bucket (`delta`: a delta of its base's; `shm`: in the transfer's
+        shared-memory slot). The last one of a transfer starts its switch -- or, cut through,
+        the first one: the workers then pull each bucket as it arrives."""
         transfer = self._versions.transfer(transfer_id)
         first = transfer.state == pb.TRANSFER_STATE_PLANNED
-        completed = self._versions.put_bucket(transfer_id, index, data, sha256, delta=delta)
+        completed = self._versions.put_bucket(
+            transfer_id, index, data, sha256, delta=delta, shm=shm
+        )
         if first if self._cut_through else completed:
             self._spawn(self._switch(transfer))
 
@@ -316,3 +325,4 @@ class Coordinator:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._kept.close()
+        self._versions.close()

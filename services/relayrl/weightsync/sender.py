@@ -7,6 +7,11 @@ never waits for it). Every rank exports the same full tensors (TP-gathered) and 
 buckets (bucket i from rank i % world_size), packing the next bucket while the current one is
 on the wire.
 
+When the service keeps its buckets in shared memory (data plane shm) and this rank shares its
+host, the rank writes each bucket into the file the plan names and pushes only its sha256: no
+bytes go over gRPC, and no deltas are made (writing the full bucket costs less than
+comparing it with the last one).
+
 With `delta`, a rank keeps the bytes of the buckets it pushed last and sends each bucket as a
 delta of them when the service accepted that version as the base (it must still be the
 committed one, with the same plan) and the delta is smaller (relayrl.transfer.delta). Anything
@@ -26,6 +31,7 @@ import torch
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.transfer.plan import DoubleBufferedPacker, layouts_from_plan, plan_digest
+from relayrl.transfer.shm import shares_host, write_bucket
 
 if TYPE_CHECKING:
     from relayrl.core.grpc_client import ClientIdentity
@@ -138,6 +144,7 @@ class WeightSyncSender:
         self._chunk_bytes = chunk_bytes
         self._delta = delta
         self._base: _DeltaBase | None = None
+        self._shm_error = ""
         self._channel = sync_channel(
             target,
             identity or ClientIdentity(),
@@ -183,6 +190,9 @@ class WeightSyncSender:
             raise PublishError(f"export: Publish of version {version}: {exc.details()}") from None
         layouts = layouts_from_plan(plan)
         digest = plan_digest(layouts)
+        shm_slot = plan.shm_dir if shares_host(plan.shm_dir, plan.shm_token) else ""
+        if shm_slot:
+            base = None
         if base is not None and (
             plan.delta_base_transfer_id != base.transfer_id or base.plan_digest != digest
         ):
@@ -193,19 +203,22 @@ class WeightSyncSender:
         result.seconds["export"] = export_s
         mine = [b.index for b in layouts if b.index % self._world_size == self._rank]
         pushed: dict[int, bytes] = {}
+        self._shm_error = ""
         clock = time.perf_counter()
         try:
             response = self._stub.PushBuckets(
-                self._chunks(plan.transfer_id, layouts, wire, mine, base, pushed),
+                self._chunks(plan.transfer_id, layouts, wire, mine, base, pushed, shm_slot),
                 timeout=self._timeout_s,
             )
         except grpc.RpcError as exc:
             raise PublishError(
                 f"transport: pushing {plan.transfer_id}: {exc.code().name}: {exc.details()}"
             ) from None
+        if self._shm_error:
+            raise PublishError(f"transport: {self._shm_error}")
         result.seconds["push"] = time.perf_counter() - clock
         result.num_buckets_sent, result.bytes_sent = response.num_buckets, response.num_bytes
-        if self._delta:
+        if self._delta and not shm_slot:
             self._base = _DeltaBase(plan.transfer_id, digest, pushed)
         return result
 
@@ -217,10 +230,11 @@ class WeightSyncSender:
         mine: list[int],
         base: _DeltaBase | None,
         pushed: dict[int, bytes],
+        shm_slot: str = "",
     ) -> Iterator:
-        """This rank's buckets as chunks (each a delta of `base`'s where that is smaller); the
-        next bucket is packed while one is sent. Keeps each bucket's bytes in `pushed` when
-        deltas are on."""
+        """This rank's buckets as chunks (each a delta of `base`'s where that is smaller; or,
+        with `shm_slot`, written there and pushed as one empty chunk); the next bucket is
+        packed while one is sent. Keeps each bucket's bytes in `pushed` when deltas are on."""
         from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
         from relayrl.transfer import delta
 
@@ -229,6 +243,21 @@ class WeightSyncSender:
         with DoubleBufferedPacker(own, wire, size) as packer:
             for position, view, digest in packer:
                 index = own[position].index
+                if shm_slot:
+                    try:
+                        write_bucket(shm_slot, index, memoryview(view.numpy()))
+                    except OSError as exc:  # ends the stream; publish raises it
+                        self._shm_error = f"writing bucket {index} into {shm_slot}: {exc}"
+                        return
+                    packer.release(position)
+                    yield pb.BucketChunk(
+                        transfer_id=transfer_id,
+                        bucket_index=index,
+                        last=True,
+                        bucket_sha256=digest,
+                        shm=True,
+                    )
+                    continue
                 data = view.numpy().tobytes()
                 packer.release(position)
                 if self._delta:

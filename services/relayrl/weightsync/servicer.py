@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.coordinator import Coordinator, PlanMismatch, SyncError, Transfer
+from relayrl.weightsync.versions import Bucket
 
 MAX_FINAL_WAIT_S = 600.0
 """Longest a GetBucketPlan may hold for the transfer's outcome."""
@@ -58,7 +60,7 @@ class SharedChunks:
             if not self._pullers:
                 self._cache.clear()
 
-    def of(self, transfer: Transfer, index: int, data: bytes) -> list[bytes]:
+    def of(self, transfer: Transfer, index: int, data: Bucket) -> list[bytes]:
         key = (transfer.transfer_id, index)
         cached = self._cache.get(key)
         if cached is not None:
@@ -180,6 +182,12 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                     f"bucket {chunk.bucket_index}: chunk at offset {chunk.offset_bytes}, "
                     f"expected {sum(len(p) for p in parts)}",
                 )
+            if chunk.shm and (chunk.offset_bytes or chunk.data or chunk.delta or not chunk.last):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"bucket {chunk.bucket_index}: a bucket in shared memory is one chunk at "
+                    "offset 0, with last=true, no data and no delta",
+                )
             current = key
             parts.append(chunk.data)
             if not chunk.last:
@@ -193,6 +201,7 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                     data,
                     chunk.bucket_sha256,
                     delta=chunk.delta,
+                    shm=chunk.shm,
                 )
             except KeyError as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
@@ -201,7 +210,12 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
             except SyncError as exc:
                 await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
             num_buckets += 1
-            num_bytes += len(data)
+            if chunk.shm:  # the bytes the sender wrote into shared memory
+                num_bytes += (
+                    self._c.transfer(chunk.transfer_id).layouts[chunk.bucket_index].size_bytes
+                )
+            else:
+                num_bytes += len(data)
         if current is not None:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -213,7 +227,9 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
         self, request: pb.PullBucketsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         """The buckets in plan order, each as soon as a sender has pushed it (cut-through), as
-        serialised BucketChunk messages shared by every puller of the same bucket."""
+        serialised BucketChunk messages shared by every puller of the same bucket. A puller on
+        this host (`shm`) gets a bucket the sender left in shared memory as a chunk marked
+        shm, without its bytes."""
         if request.transfer_id:
             try:
                 transfer = self._c.transfer(request.transfer_id)
@@ -232,6 +248,15 @@ class WeightSyncServicer(weightsync_pb2_grpc.WeightSyncServicer):
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"transfer {transfer.transfer_id} holds no complete set of buckets: {exc}",
                     )
+                if request.shm and isinstance(data, mmap.mmap) and transfer.shm_slot:
+                    yield pb.BucketChunk(
+                        transfer_id=transfer.transfer_id,
+                        bucket_index=index,
+                        last=True,
+                        bucket_sha256=transfer.sha256[index],
+                        shm=True,
+                    ).SerializeToString()
+                    continue
                 for message in self._chunks.of(transfer, index, data):
                     yield message
 

@@ -14,10 +14,12 @@ import asyncio
 import hashlib
 import json
 import logging
+import mmap
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from relayrl.proto.common.v1 import common_pb2
@@ -26,6 +28,7 @@ from relayrl.transfer.delta import DeltaError
 from relayrl.transfer.delta import apply as apply_delta
 from relayrl.transfer.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
 from relayrl.transfer.request import INITIAL_WEIGHTS
+from relayrl.transfer.shm import ShmArea, map_bucket
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.metrics import WeightSyncMetrics
 from relayrl.weightsync.state import CommittedStore, StoredVersion
@@ -34,6 +37,7 @@ TRANSPORT_TYPES = {
     "grpc": pb.TRANSPORT_TYPE_GRPC,
     "torch_distributed": pb.TRANSPORT_TYPE_TORCH_DISTRIBUTED,
     "mooncake": pb.TRANSPORT_TYPE_MOONCAKE,
+    "shm": pb.TRANSPORT_TYPE_SHM,
 }
 
 logger = logging.getLogger(__name__)
@@ -73,6 +77,11 @@ def manifest_digest(metas: Sequence[common_pb2.TensorMeta]) -> str:
     return digest.hexdigest()
 
 
+Bucket = bytes | mmap.mmap
+"""A bucket as the service holds it: bytes pushed over gRPC (or read back from state_dir), or
+the sender's shared-memory file, mapped read-only."""
+
+
 @dataclass
 class Transfer:
     transfer_id: str
@@ -82,7 +91,7 @@ class Transfer:
     manifest: str
     layouts: list[BucketLayout]
     plan_digest: str
-    buckets: list[bytes | None]
+    buckets: list[Bucket | None]
     sha256: list[str]
     state: int = pb.TRANSFER_STATE_PLANNED
     error: str = ""
@@ -98,7 +107,10 @@ class Transfer:
     # The committed transfer whose buckets this one's delta buckets apply to, and those
     # buckets (held here: committing another version frees the base's own list).
     delta_base_id: str = ""
-    delta_base: list[bytes | None] | None = None
+    delta_base: list[Bucket | None] | None = None
+    # The shared-memory data plane: the slot folder senders on this host write the buckets
+    # into (relayrl.transfer.shm), while the transfer holds it.
+    shm_slot: Path | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -113,9 +125,11 @@ class Transfer:
         event, self.changed = self.changed, asyncio.Event()
         event.set()
 
-    def plan_proto(self, bucket_size_bytes: int, transport: str) -> pb.BucketPlan:
+    def plan_proto(
+        self, bucket_size_bytes: int, transport: str, shm_token: str = ""
+    ) -> pb.BucketPlan:
         """The plan as senders and receivers see it; `transport` is the data plane from this
-        service to the engines (senders always push over gRPC)."""
+        service to the engines (senders push over gRPC, or into `shm_slot` on this host)."""
         buckets = []
         for layout in self.layouts:
             buckets.append(
@@ -135,6 +149,8 @@ class Transfer:
             state=self.state,
             error=self.error,
             delta_base_transfer_id=self.delta_base_id,
+            shm_dir=str(self.shm_slot or ""),
+            shm_token=shm_token if self.shm_slot else "",
         )
 
 
@@ -161,6 +177,8 @@ class Versions:
         self.by_version: dict[int, Transfer] = {}
         self.committed: Transfer | None = None
         self._store = CommittedStore(config.state_dir) if config.state_dir else None
+        plane = config.data_plane
+        self._shm = ShmArea(plane.shm_dir) if plane.transport == "shm" else None
         if self._store is not None:
             stored = self._store.load()  # StateError (one line) when unusable
             if stored is not None:
@@ -244,6 +262,7 @@ class Versions:
             raise ValueError("tensor names must be unique within a version")
         layouts = plan_buckets(specs, self._config.bucket_size_bytes)
         transfer = Transfer(
+            shm_slot=self._shm.acquire() if self._shm else None,
             transfer_id=f"v{version}-{uuid.uuid4().hex[:8]}",
             version=version,
             trainer_step=trainer_step,
@@ -275,7 +294,9 @@ class Versions:
 
     def plan_proto(self, transfer: Transfer) -> pb.BucketPlan:
         return transfer.plan_proto(
-            self._config.bucket_size_bytes, self._config.data_plane.transport
+            self._config.bucket_size_bytes,
+            self._config.data_plane.transport,
+            self._shm.token if self._shm else "",
         )
 
     def transfer(self, transfer_id: str) -> Transfer:
@@ -285,10 +306,18 @@ class Versions:
             raise KeyError(f"unknown transfer {transfer_id!r}") from None
 
     def put_bucket(
-        self, transfer_id: str, index: int, data: bytes, sha256: str, *, delta: bool = False
+        self,
+        transfer_id: str,
+        index: int,
+        data: bytes,
+        sha256: str,
+        *,
+        delta: bool = False,
+        shm: bool = False,
     ) -> bool:
         """Keeps one bucket a sender pushed (`delta`: rebuilt from the transfer's delta base
-        first); whether it completed its transfer."""
+        first; `shm`: the sender wrote it into the transfer's shared-memory slot, and `data` is
+        empty); whether it completed its transfer."""
         transfer = self.transfer(transfer_id)
         if transfer.state == pb.TRANSFER_STATE_FAILED:
             raise SyncError("transport", f"transfer {transfer_id} already failed: {transfer.error}")
@@ -297,10 +326,12 @@ class Versions:
                 f"bucket {index} is not in the plan of {transfer_id} "
                 f"({len(transfer.layouts)} buckets)"
             )
+        expected = transfer.layouts[index].size_bytes
+        if shm:
+            data = self._mapped(transfer, index, expected)
         wire_bytes = len(data)
         if delta:
             data = self._rebuilt(transfer, index, data)
-        expected = transfer.layouts[index].size_bytes
         if len(data) != expected:
             raise PlanMismatch(
                 f"bucket {index} of {transfer_id}: {len(data)} bytes, the plan says {expected}"
@@ -313,7 +344,7 @@ class Versions:
             )
         transfer.buckets[index] = data
         transfer.sha256[index] = actual
-        self._metrics.bytes.labels("grpc").inc(wire_bytes)
+        self._metrics.bytes.labels("shm" if shm else "grpc").inc(wire_bytes)
         if transfer.state == pb.TRANSFER_STATE_PLANNED:
             transfer.state = pb.TRANSFER_STATE_TRANSFERRING
         completed = False
@@ -349,6 +380,21 @@ class Versions:
             await transfer.changed.wait()
         if transfer.failed:
             raise _failed(transfer)
+
+    @staticmethod
+    def _mapped(transfer: Transfer, index: int, size: int) -> Bucket:
+        """Bucket `index` as the sender left it in the transfer's shared-memory slot."""
+        if transfer.shm_slot is None:
+            raise PlanMismatch(
+                f"bucket {index} of {transfer.transfer_id} is marked shm, but the plan gave no "
+                "shm_dir; push its bytes"
+            )
+        try:
+            return map_bucket(transfer.shm_slot, index, size)
+        except OSError as exc:
+            raise SyncError(
+                "transport", f"bucket {index} of {transfer.transfer_id} in shared memory: {exc}"
+            ) from None
 
     @staticmethod
     def _rebuilt(transfer: Transfer, index: int, delta: bytes) -> bytes:
@@ -412,9 +458,20 @@ class Versions:
         except OSError as exc:
             logger.warning("cannot write metrics_log %s: %s", path, exc)
 
+    def _drop_buckets(self, transfer: Transfer) -> None:
+        """Frees the host memory of `transfer`'s buckets, and its shared-memory slot."""
+        transfer.buckets = [None] * len(transfer.layouts)
+        if transfer.shm_slot is not None and self._shm is not None:
+            self._shm.release(transfer.shm_slot)
+            transfer.shm_slot = None
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+
     def fail(self, transfer: Transfer, error: SyncError) -> None:
         transfer.state, transfer.error = pb.TRANSFER_STATE_FAILED, str(error)
-        transfer.buckets = [None] * len(transfer.layouts)  # free the host memory
+        self._drop_buckets(transfer)
         transfer.delta_base = None
         self._metrics.failures.labels(error.boundary).inc()
         self._metrics.transfers.labels("failed").inc()
@@ -435,7 +492,9 @@ class Versions:
                     trainer_step=transfer.trainer_step,
                     transfer_id=transfer.transfer_id,
                     metas=transfer.metas,
-                    plan=self.plan_proto(transfer),
+                    plan=transfer.plan_proto(
+                        self._config.bucket_size_bytes, self._config.data_plane.transport
+                    ),  # without the shared-memory slot: it goes with this process
                     buckets=[b for b in transfer.buckets if b is not None],
                     sha256=transfer.sha256,
                 )
@@ -450,7 +509,7 @@ class Versions:
         transfer.delta_base = None
         self.committed = transfer
         if previous is not None and previous is not transfer:
-            previous.buckets = [None] * len(previous.layouts)  # only the latest stays in memory
+            self._drop_buckets(previous)  # only the latest stays in memory
         self._metrics.committed_version.set(transfer.version)
         self._metrics.transfers.labels("committed").inc()
         transfer.done.set()

@@ -143,3 +143,30 @@ def test_a_push_that_dies_half_way_ends_the_pull_with_the_reason(
             late.close()
         assert isinstance(refused, grpc.RpcError)
         assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_bucket_marked_shared_memory_is_refused_where_the_plan_has_none_or_it_carries_bytes(
+    weightsync: ServiceProcess,
+) -> None:
+    """This service runs the grpc data plane: its plans name no shared-memory folder, so a
+    sender cannot hand it a file; and a shared-memory chunk is one empty chunk."""
+    with grpc.insecure_channel(weightsync.target) as channel:
+        stub = weightsync_pb2_grpc.WeightSyncStub(channel)
+        plan = stub.Publish(pb.PublishRequest(version=1, tensors=METAS), timeout=10).plan
+        assert not plan.shm_dir and not plan.shm_token
+        digest = hashlib.sha256(BUCKETS[0]).hexdigest()
+        marked = pb.BucketChunk(
+            transfer_id=plan.transfer_id, bucket_index=0, last=True, bucket_sha256=digest, shm=True
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PushBuckets(iter([marked]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "marked shm, but the plan gave no shm_dir" in refused.value.details()
+        with_bytes = pb.BucketChunk()
+        with_bytes.CopyFrom(marked)
+        with_bytes.data = BUCKETS[0]
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PushBuckets(iter([with_bytes]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "a bucket in shared memory is one chunk" in refused.value.details()
+        push(stub, plan.transfer_id, 0)  # the transfer itself is unharmed

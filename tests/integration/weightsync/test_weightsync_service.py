@@ -382,3 +382,68 @@ def test_the_mooncake_data_plane_loads_the_engine_bit_for_bit(
     assert report["transport"] == "TRANSPORT_TYPE_MOONCAKE"
     assert report["bit_exact"], report
     assert any('transport="mooncake"' in line for line in report["delivered"]), report
+
+
+def test_the_shm_data_plane_loads_the_engine_bit_for_bit_and_a_party_elsewhere_uses_grpc(
+    engine: EngineProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    """On the service's host the sender writes each bucket into shared memory and the worker
+    reads it there; a sender and a worker that do not find the service's host token (another
+    host) push and pull the bytes instead, and the engine ends up with the same weights."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    config = {
+        **data_plane_config([engine.url], "shm"),
+        "data_plane": {"transport": "shm", "shm_dir": str(shm_dir), "timeout_s": 120},
+    }
+    with ServiceProcess("relayrl-weightsync", config, tmp_path / "ws") as service:
+        (root,) = shm_dir.iterdir()
+        assert root.stat().st_mode & 0o777 == 0o700
+        sender = WeightSyncSender(service.target, timeout_s=120)
+
+        def publish(version: int, seed: int) -> tuple[dict[str, torch.Tensor], str]:
+            weights = perturbed(model_dir, 0.4, seed=seed)
+            result = sender.publish(version, version, weights.items())
+            sender.wait_committed(result.transfer_id, 180)
+            assert result.bytes_sent == result.bytes_total
+            assert [(r.version, r.live) for r in version_of(service).replicas] == [(version, True)]
+            return weights, engine_digest(engine)
+
+        def transferred(transport: str) -> float:
+            url = f"http://127.0.0.1:{service.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                for line in response.read().decode().splitlines():
+                    name = f'relayrl_weightsync_transferred_bytes_total{{transport="{transport}"}}'
+                    if line.startswith(name):
+                        return float(line.rsplit(" ", 1)[1])
+            return 0.0
+
+        def exported_digest(weights: dict[str, torch.Tensor]) -> str:
+            wire, _ = export_tensors(weights.items(), "none")
+            save_file(wire, tmp_path / "export.safetensors")
+            load_file_into(engine, tmp_path / "export.safetensors")
+            return engine_digest(engine)
+
+        weights, synced = publish(1, seed=8)
+        buckets = sorted((root / "slot-0").glob("bucket-*.bin"))
+        assert len(buckets) > 3 and all(p.stat().st_mode & 0o777 == 0o600 for p in buckets)
+        assert transferred("shm") == sum(p.stat().st_size for p in buckets)
+        assert transferred("grpc") == 0
+        assert exported_digest(weights) == synced
+
+        host = root / "HOST"
+        token = host.read_text()
+        host.write_text("another host")  # neither the sender nor the worker find the token
+        try:
+            weights, synced = publish(2, seed=9)
+        finally:
+            host.write_text(token)
+        assert not list((root / "slot-1").glob("bucket-*.bin"))
+        assert transferred("grpc") > 0
+        assert exported_digest(weights) == synced
+
+        weights, synced = publish(3, seed=10)  # slot-0 again: version 1 was dropped
+        assert transferred("shm") == 2 * sum(p.stat().st_size for p in buckets)
+        assert exported_digest(weights) == synced
+        sender.close()
+    assert not list(shm_dir.iterdir())  # the service took its folder with it

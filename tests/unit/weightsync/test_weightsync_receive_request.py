@@ -110,6 +110,6 @@ def test_a_request_a_worker_cannot_use_is_refused_naming_the_field(
 
 def test_every_configurable_data_plane_is_an_entry_of_the_one_table() -> None:
     configurable = set(DataPlaneSettings.model_fields["transport"].annotation.__args__)
-    assert set(DATA_PLANES) == configurable == {"grpc", *TRANSPORTS}
-    assert not DATA_PLANES["grpc"].broadcast
+    assert set(DATA_PLANES) == configurable == {"grpc", "shm", *TRANSPORTS}
+    assert not DATA_PLANES["grpc"].broadcast and not DATA_PLANES["shm"].broadcast
     assert all(DATA_PLANES[name].broadcast for name in TRANSPORTS)
