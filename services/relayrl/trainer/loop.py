@@ -35,7 +35,6 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupWithTrajectories
 from relayrl.tq.queue import TQUnavailableError
-from relayrl.trainer.advantages import GroupRewards, dapo_filter
 from relayrl.trainer.batch import ScoredGroup, is_valid, scored_groups
 from relayrl.trainer.config import TrainerConfig
 from relayrl.trainer.feeder import PromptFeeder
@@ -43,7 +42,13 @@ from relayrl.trainer.metrics import StepMetrics, TrainerMetrics
 from relayrl.trainer.modes import TrainerMode
 from relayrl.trainer.progress import ProgressWatch
 from relayrl.trainer.publish import WeightPublisher
-from relayrl.trainer.replay import ReplaySampler, Sample, SamplingStopped, Verdict
+from relayrl.trainer.replay import (
+    ReplaySampler,
+    Sample,
+    SamplingStopped,
+    Verdict,
+    judge_group,
+)
 from relayrl.trainer.rollout_link import GatewayLink
 from relayrl.trainer.runtime import LRScheduler, Policy, PolicyOptimizer
 from relayrl.trainer.step import DataParallel, StepResult, Updater
@@ -192,26 +197,11 @@ class Leader:
         self.feed(step)
 
     def judge(self, group: GroupWithTrajectories, step: int) -> Verdict:
-        """no_valid: every member failed as infrastructure; no_signal: one valid member of
-        several (nothing to compare, whatever the filter), or, with the filter on, equal
-        rewards; keep otherwise. A group of one (samples_per_prompt 1) is kept with the filter
-        off. The feeder's curriculum learns the group's outcome."""
-        valid = [is_valid(t) for t in group.trajectories]
+        """The group's verdict (`judge_group`); the feeder's curriculum learns its outcome."""
         if self.feeder is not None:
-            rewards = [t.reward.score for t, v in zip(group.trajectories, valid, strict=True) if v]
+            rewards = [t.reward.score for t in group.trajectories if is_valid(t)]
             self.feeder.observe(group.group, step, rewards)
-        if not any(valid):
-            return "no_valid"
-        if sum(valid) < 2 and len(valid) > 1:
-            return "no_signal"
-        if not self.config.algorithm.dapo_filter:
-            return "keep"
-        rewards = GroupRewards(
-            group.group.uid,
-            [t.reward.score for t in group.trajectories],
-            [not v for v in valid],
-        )
-        return "keep" if dapo_filter([rewards]).kept else "no_signal"
+        return judge_group(group, use_dapo_filter=self.config.algorithm.dapo_filter)
 
     def _discard(self, groups: list[common_pb2.PromptGroup]) -> None:
         if self.feeder is not None:

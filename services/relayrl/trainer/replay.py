@@ -34,12 +34,35 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus, GroupWithTrajectories
 from relayrl.tq.queue import TQUnavailableError
+from relayrl.trainer.advantages import GroupRewards, dapo_filter
+from relayrl.trainer.batch import is_valid
 from relayrl.trainer.progress import ProgressWatch
 
 # A group is kept, or rejected for one of these reasons; `credit` is how many new prompts the
 # feeder issues for it (docs/algorithms.md#refill-credit): one per evicted or failed group,
 # refill_per_filtered per group without signal.
 Verdict = str  # "keep" | "stale" | "no_signal" | "no_valid"
+
+
+def judge_group(group: GroupWithTrajectories, *, use_dapo_filter: bool) -> Verdict:
+    """What a step does with a fresh group: no_valid when every member failed as
+    infrastructure; no_signal when one member of several is valid (nothing to compare,
+    whatever the filter) or, with the DAPO filter on, the valid rewards are equal; keep
+    otherwise (a group of one is kept with the filter off). The trainer and `relayrl audit`
+    both judge by this."""
+    valid = [is_valid(t) for t in group.trajectories]
+    if not any(valid):
+        return "no_valid"
+    if sum(valid) < 2 and len(valid) > 1:
+        return "no_signal"
+    if not use_dapo_filter:
+        return "keep"
+    rewards = GroupRewards(
+        group.group.uid,
+        [t.reward.score for t in group.trajectories],
+        [not v for v in valid],
+    )
+    return "keep" if dapo_filter([rewards]).kept else "no_signal"
 
 
 class SamplingStopped(Exception):

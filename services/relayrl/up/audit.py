@@ -176,22 +176,13 @@ class StepRules:
         return cls(algorithm.staleness_threshold, algorithm.dapo_filter)
 
     def rejected(self, group: Any, step: int) -> bool:
-        """Whether the step judged the group unusable: too stale, no valid member, or (with
-        the DAPO filter) no learning signal -- the same verdicts as the trainer's."""
-        from relayrl.trainer.advantages import GroupRewards, dapo_filter
-        from relayrl.trainer.batch import is_valid
+        """Whether the step judged the group unusable: too stale, or not kept by the
+        trainer's own verdict (`judge_group`)."""
+        from relayrl.trainer.replay import judge_group
 
         if step - group.group.tags.prompt_step + 1 > self.staleness_threshold:
             return True
-        valid = [is_valid(t) for t in group.trajectories]
-        if not self.dapo_filter:
-            return not any(valid)
-        rewards = GroupRewards(
-            group.group.uid,
-            [t.reward.score for t in group.trajectories],
-            [not v for v in valid],
-        )
-        return not dapo_filter([rewards]).kept
+        return judge_group(group, use_dapo_filter=self.dapo_filter) != "keep"
 
 
 def _reward_consumer_group(run_dir: Path) -> str:
