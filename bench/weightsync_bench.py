@@ -10,6 +10,9 @@ one run.
                        engine-side code) at the same time, cut through: from the moment the
                        version is planned, each bucket as soon as the service has it. Clock:
                        from the first export to the last tensor at the last receiver.
+    shm                the same, but the service keeps the buckets in shared memory: senders
+                       write them into its files and receivers read them from there
+                       (docs/weightsync.md#shared-memory; every process here shares the host)
     grpc store+fwd     the same, but the receivers start once the version is committed (as
                        with data_plane.cut_through false)
     torch_distributed  raw buckets broadcast over a gloo group (transports.measure)
@@ -102,7 +105,7 @@ def _grpc_sender(target: str, rank: int, world: int, gib: float, out: Any, go: A
     sender.close()
 
 
-def _grpc_receiver(target: str, inbox: Any, out: Any) -> None:
+def _grpc_receiver(target: str, transport: str, inbox: Any, out: Any) -> None:
     import grpc  # noqa: F401 - imported once per engine process, not per version
 
     from relayrl.core import grpc_client  # noqa: F401
@@ -117,7 +120,13 @@ def _grpc_receiver(target: str, inbox: Any, out: Any) -> None:
     stats: dict[str, Any] = {}
     num_bytes = 0
     for _, tensor in receive_tensors(
-        {"target": target, "transfer_id": transfer_id, "plan_digest": digest, "timeout_s": 600},
+        {
+            "target": target,
+            "transfer_id": transfer_id,
+            "plan_digest": digest,
+            "timeout_s": 600,
+            "transport": transport,
+        },
         stats,
     ):
         num_bytes += tensor.numel() * tensor.element_size()
@@ -126,7 +135,13 @@ def _grpc_receiver(target: str, inbox: Any, out: Any) -> None:
 
 
 def bench_grpc(
-    gib: float, num_senders: int, bucket_bytes: int, work: Path, *, cut_through: bool = True
+    gib: float,
+    num_senders: int,
+    bucket_bytes: int,
+    work: Path,
+    *,
+    cut_through: bool = True,
+    transport: str = "grpc",
 ) -> dict[str, Any]:
     import grpc
 
@@ -141,15 +156,17 @@ def bench_grpc(
         "chunk_size_bytes": 4 << 20,
         "grpc": {"max_message_bytes": 64 << 20},
         "transfer_timeout_s": 600,
-        "data_plane": {"cut_through": cut_through},
+        "data_plane": {"cut_through": cut_through, "transport": transport},
     }
-    name = f"ws-{num_senders}-{'cut' if cut_through else 'saf'}"
+    name = f"ws-{transport}-{num_senders}-{'cut' if cut_through else 'saf'}"
     with ServiceProcess("relayrl-weightsync", config, work / name) as service:
         receivers = []
         for _ in range(2):
             inbox, inbox_child = ctx.Pipe()
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_grpc_receiver, args=(service.target, inbox_child, child))
+            p = ctx.Process(
+                target=_grpc_receiver, args=(service.target, transport, inbox_child, child)
+            )
             p.start()
             receivers.append((inbox, parent, p))
         go = ctx.Barrier(num_senders + 1)
@@ -305,6 +322,8 @@ def main() -> int:
         )
         for senders in (1, 2):
             rows.append(("grpc", senders, bench_grpc(args.gib, senders, bucket, Path(tmp))))
+            shm = bench_grpc(args.gib, senders, bucket, Path(tmp), transport="shm")
+            rows.append(("shm", senders, shm))
             try:
                 rows.append(
                     (

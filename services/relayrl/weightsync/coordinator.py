@@ -268,20 +268,25 @@ class Coordinator:
         # Replicas the gateway did not pause (not routed to: joining, or after a failed
         # load) are paused at the engine, so none computes during its load.
         unpaused = {e.replica_id for e in live} - set(paused)
-        outcomes = await self._loader.load(
-            live, transfer, restore=self._routing.drives_engines, pause_engine=unpaused
-        )
-        await self._versions.arrived(transfer)  # cut through, the push may still run
-        loaded = [e.replica_id for e in live if outcomes[e.replica_id] == LOADED]
-        refused = [e.replica_id for e in live if outcomes[e.replica_id] == REFUSED]
-        transfer.replica_ids = loaded
-        if refused and not loaded:
-            raise SyncError(
-                "load",
-                f"no replica loaded version {transfer.version} "
-                f"({', '.join(refused)} answered but could not load it)",
+        staged = self._versions.stage(transfer)  # to disk while the replicas load
+        try:
+            outcomes = await self._loader.load(
+                live, transfer, restore=self._routing.drives_engines, pause_engine=unpaused
             )
-        await self._versions.commit(transfer)
+            await self._versions.arrived(transfer)  # cut through, the push may still run
+            loaded = [e.replica_id for e in live if outcomes[e.replica_id] == LOADED]
+            refused = [e.replica_id for e in live if outcomes[e.replica_id] == REFUSED]
+            transfer.replica_ids = loaded
+            if refused and not loaded:
+                raise SyncError(
+                    "load",
+                    f"no replica loaded version {transfer.version} "
+                    f"({', '.join(refused)} answered but could not load it)",
+                )
+            await self._versions.commit(transfer, staged)
+        except BaseException:
+            await self._versions.unstage(staged)
+            raise
         return loaded
 
     async def _after_failed_switch(self, live: list[EngineEntry]) -> None:

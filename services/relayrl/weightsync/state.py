@@ -23,9 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +68,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes | mmap.mmap) -> None:
     with path.open("wb") as f:
         f.write(data)
         f.flush()
@@ -85,11 +87,41 @@ class CommittedStore:
         transfer_id: str,
         metas: list[common_pb2.TensorMeta],
         plan: pb.BucketPlan,
-        buckets: list[bytes],
+        buckets: Sequence[bytes | mmap.mmap],
         sha256: list[str],
     ) -> None:
         """Makes `version` the committed one on disk (atomic; raises OSError on a disk
         problem, in which case the previous committed version is still the one on disk)."""
+        folder = self.stage(
+            version=version,
+            trainer_step=trainer_step,
+            transfer_id=transfer_id,
+            metas=metas,
+            plan=plan,
+            buckets=buckets,
+        )
+        self.point(
+            version=version,
+            trainer_step=trainer_step,
+            transfer_id=transfer_id,
+            folder=folder,
+            plan=plan,
+            sha256=sha256,
+        )
+
+    def stage(
+        self,
+        *,
+        version: int,
+        trainer_step: int,
+        transfer_id: str,
+        metas: list[common_pb2.TensorMeta],
+        plan: pb.BucketPlan,
+        buckets: Sequence[bytes | mmap.mmap],
+    ) -> str:
+        """Writes `version` into its own folder, synced to disk, without making it the
+        committed one (`point` does; `discard` removes a folder that will not be); the
+        folder's name. OSError on a disk problem."""
         self.directory.mkdir(parents=True, exist_ok=True)
         folder = f"v{version}-{transfer_id}"
         partial = self.directory / f".{folder}.partial"
@@ -104,6 +136,19 @@ class CommittedStore:
         _fsync_dir(partial)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
+        return folder
+
+    def point(
+        self,
+        *,
+        version: int,
+        trainer_step: int,
+        transfer_id: str,
+        folder: str,
+        plan: pb.BucketPlan,
+        sha256: list[str],
+    ) -> None:
+        """Makes the staged `folder` the committed version (atomic), then removes the others."""
         pointer = {
             "format": FORMAT,
             "version": version,
@@ -121,6 +166,16 @@ class CommittedStore:
         for old in self.directory.iterdir():
             if old.is_dir() and old.name != folder:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def discard(self, folder: str) -> None:
+        """Removes a staged folder that was not committed (its load failed); never the one
+        the pointer names (a `point` that failed after replacing it)."""
+        try:
+            named = json.loads((self.directory / POINTER).read_text()).get("folder")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        if named != folder:
+            shutil.rmtree(self.directory / folder, ignore_errors=True)
 
     def load(self) -> StoredVersion | None:
         """The committed version on disk, or None when nothing was ever committed here.

@@ -480,22 +480,69 @@ class Versions:
         self._log_transfer(transfer, "failed")
         logger.error("%s", error)
 
-    async def commit(self, transfer: Transfer) -> None:
+    def stage(self, transfer: Transfer) -> asyncio.Future[str] | None:
+        """Starts writing `transfer` into state_dir as soon as all its buckets are here, while
+        the replicas load it: the commit then waits only for what the write has left (None:
+        no state_dir). Whoever stages a transfer commits it or `unstage`s it."""
+        store = self._store
+        if store is None:
+            return None
+
+        async def write() -> str:
+            await self.arrived(transfer)
+            return await asyncio.to_thread(
+                store.stage,
+                version=transfer.version,
+                trainer_step=transfer.trainer_step,
+                transfer_id=transfer.transfer_id,
+                metas=transfer.metas,
+                plan=self._stored_plan(transfer),
+                buckets=[b for b in transfer.buckets if b is not None],
+            )
+
+        return asyncio.ensure_future(write())
+
+    async def unstage(self, staged: asyncio.Future[str] | None) -> None:
+        """Removes what `stage` wrote for a transfer that will not be committed. A write still
+        waiting for buckets is cancelled, not awaited: the push may never end. One already on
+        disk half-way is left to the next commit, which removes every folder but its own."""
+        if staged is None or self._store is None:
+            return
+        if not staged.done():
+            staged.cancel()
+            return
+        try:
+            folder = await staged
+        except Exception:  # the write failed, or its transfer did: nothing is kept
+            return
+        await asyncio.to_thread(self._store.discard, folder)
+
+    def _stored_plan(self, transfer: Transfer) -> pb.BucketPlan:
+        """The plan as state_dir keeps it: without the shared-memory slot, which goes with this
+        process."""
+        return transfer.plan_proto(
+            self._config.bucket_size_bytes, self._config.data_plane.transport
+        )
+
+    async def commit(self, transfer: Transfer, staged: asyncio.Future[str] | None = None) -> None:
         """Keeps the version in state_dir (before anyone is told), then makes it the one
-        late joiners get; SyncError('restore') when it cannot be kept."""
+        late joiners get; SyncError('restore') when it cannot be kept. `staged`: the write
+        `stage` started (none: it is written now). The restore duration is how long the
+        commit waited for the disk."""
         if self._store is not None:
             start = time.monotonic()
             try:
+                if staged is None:
+                    staged = self.stage(transfer)
+                assert staged is not None
+                folder = await staged
                 await asyncio.to_thread(
-                    self._store.save,
+                    self._store.point,
                     version=transfer.version,
                     trainer_step=transfer.trainer_step,
                     transfer_id=transfer.transfer_id,
-                    metas=transfer.metas,
-                    plan=transfer.plan_proto(
-                        self._config.bucket_size_bytes, self._config.data_plane.transport
-                    ),  # without the shared-memory slot: it goes with this process
-                    buckets=[b for b in transfer.buckets if b is not None],
+                    folder=folder,
+                    plan=self._stored_plan(transfer),
                     sha256=transfer.sha256,
                 )
             except OSError as exc:

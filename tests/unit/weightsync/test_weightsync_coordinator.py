@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -431,15 +432,15 @@ def test_a_version_that_cannot_be_kept_fails_and_its_replicas_are_held_until_rel
     engine = Engine("http://a")
     no_send(monkeypatch)
     saves: list[int] = []
-    real_save = CommittedStore.save
+    real_stage = CommittedStore.stage
 
-    def save(self: CommittedStore, **kwargs: Any) -> None:
+    def stage(self: CommittedStore, **kwargs: Any) -> str:
         saves.append(kwargs["version"])
         if kwargs["version"] == 2:
             raise OSError(28, "No space left on device")
-        real_save(self, **kwargs)
+        return real_stage(self, **kwargs)
 
-    monkeypatch.setattr(CommittedStore, "save", save)
+    monkeypatch.setattr(CommittedStore, "stage", stage)
 
     async def main() -> tuple[Any, ...]:
         gateway, c = await registered_by_a_gateway(engine, state_dir=tmp_path)
@@ -650,3 +651,33 @@ def test_cut_through_a_push_that_dies_half_way_fails_the_version_without_retries
 
 def test_a_sync_error_names_its_boundary() -> None:
     assert str(SyncError("load", "no replica")) == "load: no replica"
+
+
+def test_a_version_staged_on_disk_during_a_load_that_fails_is_removed_and_never_pointed_at(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The committed version is written to state_dir while the replicas load it; when no
+    replica loads it, the staged folder goes and committed.json still names the last one."""
+    engine = Engine("http://a")
+    no_send(monkeypatch)
+
+    async def main() -> tuple[Any, Any]:
+        c = coordinator({"engine-0": engine}, transport="grpc", state_dir=tmp_path)
+        try:
+            first = await publish_and_wait(c, 1)
+            engine.refuse = True
+            second = await publish_and_wait(c, 2)
+            return first, second
+        finally:
+            await c.close()
+
+    first, second = asyncio.run(main())
+    assert first.state == pb.TRANSFER_STATE_COMMITTED
+    assert second.state == pb.TRANSFER_STATE_FAILED
+    assert second.error.startswith("load: no replica loaded version 2")
+    pointer = json.loads((tmp_path / "committed.json").read_text())
+    assert (pointer["version"], pointer["transfer_id"]) == (1, first.transfer_id)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "committed.json",
+        f"v1-{first.transfer_id}",
+    ]
