@@ -285,7 +285,7 @@ class Coordinator:
                 )
             await self._versions.commit(transfer, staged)
         except BaseException:
-            await self._versions.unstage(staged)
+            await self._versions.unstage(transfer, staged)
             raise
         return loaded
 

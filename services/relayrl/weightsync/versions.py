@@ -502,13 +502,14 @@ class Versions:
 
         return asyncio.ensure_future(write())
 
-    async def unstage(self, staged: asyncio.Future[str] | None) -> None:
+    async def unstage(self, transfer: Transfer, staged: asyncio.Future[str] | None) -> None:
         """Removes what `stage` wrote for a transfer that will not be committed. A write still
-        waiting for buckets is cancelled, not awaited: the push may never end. One already on
-        disk half-way is left to the next commit, which removes every folder but its own."""
+        waiting for buckets is cancelled, not awaited: the push may never end. One that has all
+        its buckets is on disk or being written (a thread cannot be cancelled): it is awaited,
+        then removed."""
         if staged is None or self._store is None:
             return
-        if not staged.done():
+        if not staged.done() and any(b is None for b in transfer.buckets):
             staged.cancel()
             return
         try:

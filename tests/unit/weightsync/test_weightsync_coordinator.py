@@ -40,6 +40,7 @@ class Engine:
         self.url = url
         self.dead = False
         self.refuse = False  # answers, but every load fails
+        self.load_s = 0.0  # how long a load takes before it answers
         self.fail_receive_rounds: set[int] = set()
         self.holds: str | None = ""
         self.label = "default"
@@ -68,6 +69,8 @@ class Client:
             return [{"ok": True, "holds": self.engine.holds}]
         self.engine.receives.append(payload)
         self.engine.holds = None
+        if self.engine.load_s:
+            await asyncio.sleep(self.engine.load_s)
         if self.engine.refuse:
             raise EngineUnavailable("load_weights failed: shape mismatch")
         if "spec" in payload:
@@ -657,15 +660,26 @@ def test_a_version_staged_on_disk_during_a_load_that_fails_is_removed_and_never_
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The committed version is written to state_dir while the replicas load it; when no
-    replica loads it, the staged folder goes and committed.json still names the last one."""
+    replica loads it, the staged folder goes and committed.json still names the last one --
+    also when the write is still running (a thread, which cannot be cancelled) as the load
+    fails, as a slow disk makes it here."""
     engine = Engine("http://a")
     no_send(monkeypatch)
+    stage = CommittedStore.stage
+
+    def slow_stage(self: CommittedStore, **kwargs: Any) -> str:
+        import time
+
+        time.sleep(1.0)
+        return stage(self, **kwargs)
+
+    monkeypatch.setattr(CommittedStore, "stage", slow_stage)
 
     async def main() -> tuple[Any, Any]:
         c = coordinator({"engine-0": engine}, transport="grpc", state_dir=tmp_path)
         try:
             first = await publish_and_wait(c, 1)
-            engine.refuse = True
+            engine.refuse, engine.load_s = True, 0.2  # fails while the write runs
             second = await publish_and_wait(c, 2)
             return first, second
         finally:
