@@ -63,10 +63,13 @@ def main() -> None:
     lock = threading.Lock()
     closing = threading.Event()
     programs: dict[str, subprocess.Popen[bytes]] = {}
+    passing: list[threading.Thread] = []
     for name, command in routes.items():
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         programs[name] = process
-        threading.Thread(target=pass_results, args=(process.stdout, lock), daemon=True).start()
+        passer = threading.Thread(target=pass_results, args=(process.stdout, lock), daemon=True)
+        passer.start()
+        passing.append(passer)
         threading.Thread(target=watch, args=(name, process, closing), daemon=True).start()
     turns = itertools.cycle(routes)
     with args.log.open("a") as log:
@@ -85,6 +88,8 @@ def main() -> None:
         process.stdin.close()
     for process in programs.values():
         process.wait()
+    for passer in passing:  # a program's last results may still be on their way through
+        passer.join()
 
 
 if __name__ == "__main__":
