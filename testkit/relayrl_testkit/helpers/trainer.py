@@ -11,7 +11,7 @@ from pathlib import Path
 from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
-from relayrl.tq.model import TrajectoryPut
+from relayrl.tq.model import GroupWithTrajectories, TrajectoryPut
 from relayrl.tq.server import RedisServer
 
 PROMPT = [1, 5, 6, 7]
@@ -59,6 +59,28 @@ def trajectory(uid: str, index: int, response: Sequence[int], logp: float = -1.0
         ],
         finish_reason="stop",
     )
+
+
+def judged_group(
+    rewards: Sequence[float | None], *, prompt_step: int = 0, error: str = "agent exited 1: boom"
+) -> GroupWithTrajectories:
+    """A consumed group as the trainer judges it, built in memory (no queue): member i scored
+    rewards[i]; None failed as infrastructure with `error`."""
+    trajectories = []
+    for i, reward in enumerate(rewards):
+        t = common_pb2.Trajectory(uid="g", index=i)
+        if reward is None:
+            t.tags.is_infra = True
+            t.tags.status = common_pb2.TRAJECTORY_STATUS_FAILED
+            t.error = error
+        else:
+            t.tags.status = common_pb2.TRAJECTORY_STATUS_SCORED
+            t.reward.status = common_pb2.REWARD_STATUS_OK
+            t.reward.score = reward
+        trajectories.append(t)
+    group = common_pb2.PromptGroup(uid="g")
+    group.tags.prompt_step = prompt_step
+    return GroupWithTrajectories(group, trajectories)
 
 
 def scored_group(

@@ -18,6 +18,7 @@ from relayrl.trainer.progress import (
     ProgressWatch,
     failure_reason,
 )
+from relayrl_testkit.helpers.trainer import judged_group as group
 
 
 class Clock:
@@ -26,25 +27,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def group(
-    rewards: list[float | None], error: str = "agent exited 1: boom"
-) -> GroupWithTrajectories:
-    """A group whose member i scored rewards[i]; None is an infrastructure failure."""
-    trajectories = []
-    for i, reward in enumerate(rewards):
-        t = common_pb2.Trajectory(uid="g", index=i)
-        if reward is None:
-            t.tags.is_infra = True
-            t.tags.status = common_pb2.TRAJECTORY_STATUS_FAILED
-            t.error = error
-        else:
-            t.tags.status = common_pb2.TRAJECTORY_STATUS_SCORED
-            t.reward.status = common_pb2.REWARD_STATUS_OK
-            t.reward.score = reward
-        trajectories.append(t)
-    return GroupWithTrajectories(common_pb2.PromptGroup(uid="g"), trajectories)
 
 
 def watch(clock: Clock, tmp_path: Path | None = None, **settings) -> ProgressWatch:

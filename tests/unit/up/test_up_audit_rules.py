@@ -6,28 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq.model import GroupWithTrajectories
 from relayrl.trainer.replay import judge_group
 from relayrl.up.audit import StepRules
-
-
-def group(rewards: list[float | None], prompt_step: int = 0) -> GroupWithTrajectories:
-    """Member i scored rewards[i]; None failed as infrastructure (an engine killed mid-rollout)."""
-    trajectories = []
-    for i, reward in enumerate(rewards):
-        t = common_pb2.Trajectory(uid="g", index=i)
-        if reward is None:
-            t.tags.is_infra = True
-            t.tags.status = common_pb2.TRAJECTORY_STATUS_FAILED
-        else:
-            t.tags.status = common_pb2.TRAJECTORY_STATUS_SCORED
-            t.reward.status = common_pb2.REWARD_STATUS_OK
-            t.reward.score = reward
-        trajectories.append(t)
-    prompt_group = common_pb2.PromptGroup(uid="g")
-    prompt_group.tags.prompt_step = prompt_step
-    return GroupWithTrajectories(prompt_group, trajectories)
+from relayrl_testkit.helpers.trainer import judged_group as group
 
 
 @pytest.mark.parametrize(
