@@ -79,36 +79,6 @@ class CommittedStore:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
-    def save(
-        self,
-        *,
-        version: int,
-        trainer_step: int,
-        transfer_id: str,
-        metas: list[common_pb2.TensorMeta],
-        plan: pb.BucketPlan,
-        buckets: Sequence[bytes | mmap.mmap],
-        sha256: list[str],
-    ) -> None:
-        """Makes `version` the committed one on disk (atomic; raises OSError on a disk
-        problem, in which case the previous committed version is still the one on disk)."""
-        folder = self.stage(
-            version=version,
-            trainer_step=trainer_step,
-            transfer_id=transfer_id,
-            metas=metas,
-            plan=plan,
-            buckets=buckets,
-        )
-        self.point(
-            version=version,
-            trainer_step=trainer_step,
-            transfer_id=transfer_id,
-            folder=folder,
-            plan=plan,
-            sha256=sha256,
-        )
-
     def stage(
         self,
         *,

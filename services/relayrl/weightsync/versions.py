@@ -525,17 +525,15 @@ class Versions:
             self._config.bucket_size_bytes, self._config.data_plane.transport
         )
 
-    async def commit(self, transfer: Transfer, staged: asyncio.Future[str] | None = None) -> None:
+    async def commit(self, transfer: Transfer, staged: asyncio.Future[str] | None) -> None:
         """Keeps the version in state_dir (before anyone is told), then makes it the one
-        late joiners get; SyncError('restore') when it cannot be kept. `staged`: the write
-        `stage` started (none: it is written now). The restore duration is how long the
-        commit waited for the disk."""
+        late joiners get; SyncError('restore') when it cannot be kept. `staged`: what
+        `stage(transfer)` returned. The restore duration is how long the commit waited for
+        the disk."""
         if self._store is not None:
+            assert staged is not None, "stage() writes whenever there is a state_dir"
             start = time.monotonic()
             try:
-                if staged is None:
-                    staged = self.stage(transfer)
-                assert staged is not None
                 folder = await staged
                 await asyncio.to_thread(
                     self._store.point,

@@ -486,13 +486,15 @@ def test_a_damaged_state_dir_is_refused_with_what_to_do(tmp_path: Path) -> None:
             )
         ]
     )
-    store.save(
+    folder = store.stage(
+        version=2, trainer_step=2, transfer_id="v2-abc", metas=METAS, plan=plan, buckets=[DATA]
+    )
+    store.point(
         version=2,
         trainer_step=2,
         transfer_id="v2-abc",
-        metas=METAS,
+        folder=folder,
         plan=plan,
-        buckets=[DATA],
         sha256=[hashlib.sha256(DATA).hexdigest()],
     )
     assert store.load() is not None and store.load().buckets == [DATA]  # type: ignore[union-attr]
