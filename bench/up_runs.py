@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from relayrl.up.config import split_cpus
+
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -73,18 +75,13 @@ class UpRun:
 
 
 def default_placement() -> dict[str, str] | None:
-    """Half the CPUs to the engine, the rest to the trainer and the services (on 2 CPUs: one
-    each; the services then share the trainer's, as nothing is left for a third set)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
+    """What `placement.auto` chooses (relayrl.up.config.split_cpus), written out so that a
+    bench's config says it; None on one CPU."""
+    split = split_cpus(os.sched_getaffinity(0))
+    if split is None:
         return None
-    half = len(cpus) // 2
-    engine, trainer = cpus[:half], cpus[half:]
-    return {
-        "engine": ",".join(map(str, engine)),
-        "trainer": ",".join(map(str, trainer)),
-        "services": ",".join(map(str, trainer)),
-    }
+    engine, trainer = split
+    return {"engine": engine, "trainer": trainer, "services": trainer}
 
 
 def run_up(

@@ -39,6 +39,16 @@ def _sft_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="HF folder to write (new)")
     parser.add_argument("--epochs", type=int, default=1, help="epochs (at most, with a target)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--warmup-updates", type=int, default=0, help="linear warm-up of the lr, in updates"
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="after the warm-up: constant, or cosine down to --min-lr over all --epochs",
+    )
+    parser.add_argument("--min-lr", type=float, default=0.0, help="floor of the cosine")
     parser.add_argument("--batch-size", type=int, default=16, help="examples per update")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--max-seq-len", type=int, default=512)
@@ -63,6 +73,10 @@ def sft_main(argv: Sequence[str]) -> int:
         for name in ("epochs", "batch_size", "micro_batch_size", "max_seq_len")
         if getattr(args, name) < 1
     ]
+    if args.warmup_updates < 0:
+        problems.append("--warmup-updates must be >= 0")
+    if not 0 <= args.min_lr <= args.lr:
+        problems.append("--min-lr must be between 0 and --lr")
     if args.lr <= 0:
         problems.append("--lr must be > 0")
     elif args.lr > 1:  # the bound of OptimizerSettings.lr, which the warm start builds
@@ -98,6 +112,9 @@ def sft_main(argv: Sequence[str]) -> int:
         out=args.out,
         epochs=args.epochs,
         lr=args.lr,
+        warmup_updates=args.warmup_updates,
+        schedule=args.schedule,
+        min_lr=args.min_lr,
         batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size,
         max_seq_len=args.max_seq_len,

@@ -35,6 +35,11 @@ class SftSettings:
     out: Path
     epochs: int = 1
     lr: float = 1e-3
+    warmup_updates: int = 0
+    """Linear warm-up of the learning rate from 0, in updates; then `schedule`."""
+    schedule: str = "constant"
+    """constant, or cosine from lr down to `min_lr` over every update of `epochs`."""
+    min_lr: float = 0.0
     batch_size: int = 16
     micro_batch_size: int = 8
     max_seq_len: int = 512
@@ -155,7 +160,16 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
     spec = ModelSpec.from_hf_dir(settings.model)
     model = build_model(spec)
     load_hf_dir(model, settings.model)
-    optimizer = OptimizerSettings(lr=settings.lr, clip_grad=1.0).build(model)
+    optim = OptimizerSettings(
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        schedule=settings.schedule,
+        warmup_updates=settings.warmup_updates,
+        clip_grad=1.0,
+    )
+    optimizer = optim.build(model)
+    updates_per_epoch = math.ceil(len(examples) / settings.batch_size)
+    scheduler = optim.build_scheduler(optimizer, settings.epochs * updates_per_epoch)
     rng = random.Random(settings.seed)
     epoch_losses = []
     eval_accuracy = 0.0
@@ -176,13 +190,15 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
                 loss_fn=_nll_loss(mask, float(mask.sum()), nll_sums),
             )
             optimizer_step(optimizer)
+            scheduler.step(increment=1)
             losses.append(sum(nll_sums) / float(mask.sum()))
         epoch_losses.append(float(np.mean(losses)))
         accuracy = ""
         if held_aside:
             eval_accuracy = sampled_accuracy(model, held_aside, settings.micro_batch_size)
             accuracy = f", eval accuracy {eval_accuracy:.4f}"
-        logger.info("sft epoch %d: loss %.4f%s", epoch + 1, epoch_losses[-1], accuracy)
+        lr = optimizer.param_groups[0]["lr"]
+        logger.info("sft epoch %d: loss %.4f%s, lr %.3g", epoch + 1, epoch_losses[-1], accuracy, lr)
         if settings.target_accuracy is not None and eval_accuracy >= settings.target_accuracy:
             logger.info("sft: eval accuracy reached %.4f: stopping", settings.target_accuracy)
             break

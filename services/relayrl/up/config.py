@@ -10,10 +10,11 @@ pydantic only: a mistake is reported before anything heavy is imported.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from relayrl.core.config import StrictModel, deep_merge  # noqa: F401 (deep_merge: its old home)
 from relayrl.core.dotted import DOTTED_PATH
@@ -165,10 +166,22 @@ class WarmStartSection(StrictModel):
     )
     examples: int = Field(4000, ge=1, le=1_000_000, description="SFT examples drawn.")
     epochs: int = Field(
-        20, ge=1, le=1000, description="Passes over the examples (at most, with a target)."
+        12,
+        ge=1,
+        le=1000,
+        description="Passes over the examples (at most, with a target); the schedule's length.",
     )
-    lr: float = Field(2e-3, gt=0.0, le=1.0, description="Learning rate.")
-    batch_size: int = Field(16, ge=1, le=4096, description="Examples per update.")
+    lr: float = Field(2e-3, gt=0.0, le=1.0, description="Peak learning rate.")
+    warmup_updates: int = Field(
+        60, ge=0, le=1_000_000, description="Linear warm-up of the learning rate, in updates."
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        "cosine",
+        description="After the warm-up: constant, or cosine down to lr / 10 at the end of "
+        "`epochs` (docs/defaults.md#warm-start: a constant lr left the tiny model's loss "
+        "bouncing, and its accuracy short of the target after 20 epochs).",
+    )
+    batch_size: int = Field(64, ge=1, le=4096, description="Examples per update.")
     max_seq_len: int = Field(
         0, ge=0, le=65_536, description="Longest example in tokens; 0: the task's default."
     )
@@ -325,17 +338,36 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def split_cpus(cpus: Collection[int]) -> tuple[str, str] | None:
+    """The first half of `cpus` for the engine, the rest for the trainer (and the services,
+    which then share the trainer's: on 2 CPUs nothing is left for a third set); None on one."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        return None
+    half = len(ordered) // 2
+    return ",".join(map(str, ordered[:half])), ",".join(map(str, ordered[half:]))
+
+
 class PlacementSection(StrictModel):
     """CPU sets (Linux affinity) for the parts of the run, so that on one machine they do not
     compete for the same cores, as they would not on a cluster, where the engine and the
-    trainer have their own accelerators (`make bench-e2e` uses it). A child inherits its set
-    when it starts, restarts included; threads it spawns stay inside it. null: any CPU."""
+    trainer have their own accelerators. A child inherits its set when it starts, restarts
+    included; threads it spawns stay inside it. null: any CPU, unless `auto` chooses."""
 
     engine: str | None = Field(None, description="The vLLM engine's CPUs, e.g. `0` or `0-3`.")
     trainer: str | None = Field(None, description="The trainer's CPUs.")
     services: str | None = Field(
         None, description="Redis, the gateway, the reward-service and weight-sync."
     )
+    auto: bool = Field(
+        True,
+        description="With none of the three sets given and 2 or more CPUs: the engine gets "
+        "the first half of the CPUs relayrl up may use, the trainer and the services the rest "
+        "(docs/defaults.md#placement: a step of the default job in about half the time on 2 "
+        "cores); false: every child may use any CPU.",
+    )
+
+    _auto: tuple[str, str] | None = PrivateAttr(None)
 
     @field_validator("engine", "trainer", "services")
     @classmethod
@@ -353,15 +385,45 @@ class PlacementSection(StrictModel):
             )
         return value
 
+    @model_validator(mode="after")
+    def _auto_split(self) -> PlacementSection:
+        """Chosen once, here: a child is spawned with this thread pinned to its set, so the
+        CPUs this process may use are only read before anything starts."""
+        if self.auto and self.engine is None and self.trainer is None and self.services is None:
+            import os
+
+            self._auto = split_cpus(os.sched_getaffinity(0))
+        return self
+
+    def sets(self) -> dict[str, str | None]:
+        """The CPU list of each part in effect: the ones given, else `auto`'s."""
+        if self._auto is not None:
+            engine, trainer = self._auto
+            return {"engine": engine, "trainer": trainer, "services": trainer}
+        return {"engine": self.engine, "trainer": self.trainer, "services": self.services}
+
     def cpus_for(self, child: str) -> frozenset[int] | None:
         """The CPU set of a child of the stack (`engine-0`, `trainer`, `redis`, ...)."""
         if child.startswith("engine"):
-            chosen = self.engine
+            part = "engine"
         elif child == "trainer":
-            chosen = self.trainer
+            part = "trainer"
         else:
-            chosen = self.services
+            part = "services"
+        chosen = self.sets()[part]
         return None if chosen is None else parse_cpu_list(chosen)
+
+    def describe(self) -> str:
+        """One line for the console: where each part runs, and who chose it."""
+        sets = self.sets()
+        if all(value is None for value in sets.values()):
+            return "placement: every part may use any CPU"
+        where = ", ".join(
+            f"{part} on CPU {value}" if value is not None else f"{part} on any CPU"
+            for part, value in sets.items()
+        )
+        chosen = " (auto; placement.auto: false to turn off)" if self._auto is not None else ""
+        return f"placement: {where}{chosen}"
 
 
 class SecuritySection(StrictModel):

@@ -48,7 +48,7 @@ def max_tokens(config: UpConfig) -> int:
 def sft_micro_batch_size(config: UpConfig) -> int:
     """Rows per forward pass of the warm start. Part of its cache key: the loss is the same
     for any size, but float sums in another order send a tiny model's training elsewhere."""
-    return min(config.warm_start.batch_size, 8)
+    return min(config.warm_start.batch_size, 64)
 
 
 def sft_max_seq_len(config: UpConfig) -> int:
@@ -223,6 +223,9 @@ def warm_start(
             "--out", str(out),
             "--epochs", str(ws.epochs),
             "--lr", str(ws.lr),
+            "--warmup-updates", str(ws.warmup_updates),
+            "--schedule", ws.schedule,
+            "--min-lr", str(ws.lr / 10),  # the cosine's floor; constant ignores it
             "--batch-size", str(ws.batch_size),
             "--micro-batch-size", str(sft_micro_batch_size(config)),
             "--max-seq-len", str(sft_max_seq_len(config)),

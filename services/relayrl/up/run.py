@@ -178,6 +178,7 @@ class Run:
         warm = warm_start(c, model, files, self.run_dir / "logs" / "sft.log", self.say)
         self._update_state(model_dir=str(model), warm_start_dir=str(warm))
 
+        self.say(c.placement.describe())
         self.say("starting the stack:")
         self.stack = Stack(c, self.run_dir, warm, files, on_event=self._on_event)
         self.stack.build()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -83,8 +84,13 @@ def test_sft_writes_a_model_that_fits_the_answers_better(model_dir: Path, tmp_pa
     done = sft(
         "--model", str(model_dir), "--data", str(write_jsonl(tmp_path / "d.jsonl", train)),
         "--out", str(out), "--epochs", "4", "--lr", "3e-3", "--batch-size", "16",
+        "--warmup-updates", "6", "--schedule", "cosine", "--min-lr", "3e-4",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    # 6 updates per epoch: the warm-up ends with the first epoch, the cosine at its floor
+    lrs = [float(lr) for lr in re.findall(r"sft epoch \d+: .*, lr (\S+)", done.stderr)]
+    assert len(lrs) == 4 and lrs[0] == pytest.approx(3e-3) and lrs[-1] == pytest.approx(3e-4)
+    assert lrs[0] > lrs[1] > lrs[2] > lrs[3]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["last_epoch_loss"] < report["first_epoch_loss"]
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
@@ -140,3 +146,18 @@ def test_sft_target_needs_eval_data(model_dir: Path, tmp_path: Path) -> None:
         "--target-accuracy", "0.5",
     )  # fmt: skip
     assert done.returncode == 2 and "--target-accuracy needs --eval-data" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("--min-lr", "0.01", "--lr", "0.001"), "--min-lr must be between 0 and --lr"),
+        (("--warmup-updates", "-1"), "--warmup-updates must be >= 0"),
+    ],
+)
+def test_sft_schedule_out_of_range_is_one_line(
+    model_dir: Path, tmp_path: Path, args: tuple[str, ...], match: str
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", pairs(4, 0))
+    done = sft("--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "o"), *args)
+    assert done.returncode == 2 and match in done.stderr and len(done.stderr.splitlines()) == 1

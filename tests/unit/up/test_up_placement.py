@@ -47,3 +47,29 @@ def test_a_child_spawned_under_its_set_runs_there_and_the_spawner_is_put_back() 
     with Stack._pinned(stack, "gateway"):  # no set: untouched
         child = subprocess.run(probe, capture_output=True, text=True, check=True)
     assert child.stdout.strip() == str(sorted(mine))
+
+
+def test_with_no_set_given_the_engine_gets_half_the_cpus_and_the_rest_share_the_other_half(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 8})
+    placement = UpConfig.model_validate({}).placement
+    assert placement.sets() == {"engine": "4,5", "trainer": "6,7,8", "services": "6,7,8"}
+    assert placement.engine is None  # the config as written: what it says, not the choice
+    assert placement.cpus_for("engine-1") == {4, 5}
+    assert placement.cpus_for("redis") == {6, 7, 8}
+    assert "engine on CPU 4,5" in placement.describe()
+    assert "placement.auto" in placement.describe()
+    copied = UpConfig.model_validate(UpConfig.model_validate({}).model_dump()).model_copy()
+    assert copied.placement.sets() == placement.sets()  # a config read back chooses the same
+
+    given = UpConfig.model_validate({"placement": {"engine": "4"}}).placement
+    assert given.sets() == {"engine": "4", "trainer": None, "services": None}
+    assert "auto" not in given.describe()
+    off = UpConfig.model_validate({"placement": {"auto": False}}).placement
+    assert off.cpus_for("engine-0") is None and off.cpus_for("trainer") is None
+    assert off.describe() == "placement: every part may use any CPU"
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    alone = UpConfig.model_validate({}).placement
+    assert alone.cpus_for("engine-0") is None and alone.cpus_for("trainer") is None
