@@ -694,16 +694,6 @@ def test_dockerignore_keeps_local_state_out_and_what_images_copy_in() -> None:
         "**", ".venv"}], ".venv/bin/python")  # fmt: skip
 
 
-# The deprecated aliases of the modules that moved to the test-kit (they import it by name and
-# fail in an image, where nothing imports them).
-HARNESS_ALIASES = {
-    "services/relayrl/engine/emulator.py",
-    "services/relayrl/engine/emulator_config.py",
-    "services/relayrl/reward/judge_sim.py",
-    "services/relayrl/reward/judge_launcher.py",
-}
-
-
 def test_no_image_carries_or_imports_the_test_harness() -> None:
     """The images build the relayrl wheel from services/ alone: the harness (testkit/,
     relayrl-testkit) is never copied, and no product module or image file imports it."""
@@ -714,4 +704,4 @@ def test_no_image_carries_or_imports_the_test_harness() -> None:
         for path in [*(REPO / "services").rglob("*.py"), *DOCKER_DIR.rglob("*")]
         if path.is_file() and "relayrl_testkit" in path.read_text(errors="replace")
     ]
-    assert set(importers) <= HARNESS_ALIASES, importers
+    assert not importers, importers
