@@ -17,9 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import importlib
 import time
-import warnings
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -34,31 +32,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 UNKNOWN_VERSION = -1
-
-# Prompt rendering and the tool-call syntax moved to relayrl.conversation (the trainer and the
-# tasks use them too); their old names here keep working, with a DeprecationWarning, for this
-# release.
-_MOVED = {
-    **dict.fromkeys(
-        ("TURN_END_TOKEN", "prompt_token_ids", "turn_end_token_ids", "observation_token_ids"),
-        "relayrl.conversation.rendering",
-    ),
-    **dict.fromkeys(
-        ("TOOL_CALL_OPEN", "TOOL_CALL_CLOSE", "ParsedToolCall", "parse_tool_calls"),
-        "relayrl.conversation.tool_calls",
-    ),
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"relayrl.gateway.agents.{name} moved to {module}", DeprecationWarning, stacklevel=2
-    )
-    return getattr(importlib.import_module(module), name)
-
 
 # --- engine session --------------------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import logging
 import random
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ from relayrl.trainer.replay import (
     judge_group,
 )
 from relayrl.trainer.rollout_link import GatewayLink
-from relayrl.trainer.runtime import LRScheduler, Policy, PolicyOptimizer
+from relayrl.trainer.runtime import Policy
 from relayrl.trainer.step import DataParallel, StepResult, Updater
 
 logger = logging.getLogger(__name__)
@@ -90,19 +89,6 @@ class Status:
     staleness_histogram: dict[int, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     error: str = ""
-
-
-def build_scheduler(config: TrainerConfig, optimizer: PolicyOptimizer) -> LRScheduler:
-    """Deprecated: `config.optim.build_scheduler(optimizer, num_updates)`."""
-    warnings.warn(
-        "relayrl.trainer.loop.build_scheduler is deprecated; use "
-        "relayrl.trainer.config.OptimizerSettings.build_scheduler",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return config.optim.build_scheduler(
-        optimizer, num_updates=config.total_steps * config.algorithm.parameter_sync_step
-    )
 
 
 class Leader:

@@ -14,7 +14,6 @@ code runs megatron as written where CUDA is available.
 from __future__ import annotations
 
 import contextlib
-import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -25,7 +24,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -371,58 +369,6 @@ def build_optimizer(model: PolicyModel, settings: OptimizerSettings) -> PolicyOp
     # optimizer's loss scale before backward (1 except with fp16 loss scaling).
     config.grad_scale_func = optimizer.scale_loss
     return optimizer
-
-
-@functools.cache
-def _deprecated_optimizer_settings() -> type[OptimizerSettings]:
-    """The `OptimizerSettings` dataclass this module had, as a subclass of the one settings
-    type: its field names (adam_beta1, adam_beta2, adam_eps), its lr default (1e-6), no upper
-    bound on lr, frozen."""
-    from pydantic import ConfigDict, Field, model_validator
-
-    from relayrl.trainer.config import OptimizerSettings
-
-    renamed = {"adam_beta1": "beta1", "adam_beta2": "beta2", "adam_eps": "eps"}
-
-    class DeprecatedOptimizerSettings(OptimizerSettings):
-        """Deprecated: `relayrl.trainer.config.OptimizerSettings` (beta1, beta2, eps)."""
-
-        model_config = ConfigDict(extra="forbid", frozen=True)
-        lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
-
-        @model_validator(mode="before")
-        @classmethod
-        def _old_names(cls, data: Any) -> Any:
-            if isinstance(data, dict):
-                data = {renamed.get(key, key): value for key, value in data.items()}
-            return data
-
-        @property
-        def adam_beta1(self) -> float:
-            return self.beta1
-
-        @property
-        def adam_beta2(self) -> float:
-            return self.beta2
-
-        @property
-        def adam_eps(self) -> float:
-            return self.eps
-
-    return DeprecatedOptimizerSettings
-
-
-def __getattr__(name: str) -> Any:
-    if name == "OptimizerSettings":
-        warnings.warn(
-            "relayrl.trainer.model.OptimizerSettings is deprecated; use "
-            "relayrl.trainer.config.OptimizerSettings (fields beta1, beta2, eps; build with "
-            "settings.build(model))",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return _deprecated_optimizer_settings()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---------------------------------------------------------------------------- launcher

@@ -48,22 +48,6 @@ TRAINER_SERVICE = "relayrl.proto.trainer.v1.Trainer"
 EXIT_FAILED = 1
 
 
-def __getattr__(name: str) -> Any:
-    # Moved to relayrl.trainer.runtime (built by TrainerConfig.build_policy).
-    moved = {"Runtime": "Policy", "build_runtime": "build_policy"}
-    if name in moved:
-        warnings.warn(
-            f"relayrl.trainer.server.{name} is deprecated; use "
-            f"relayrl.trainer.runtime.{moved[name]} (or TrainerConfig.build_policy())",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from relayrl.trainer import runtime
-
-        return getattr(runtime, moved[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # -- ranks -------------------------------------------------------------------------------------
 
 

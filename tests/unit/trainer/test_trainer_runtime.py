@@ -1,6 +1,5 @@
-"""The trainer's runtime is built by its config: one optimizer settings type (the old name in
-`relayrl.trainer.model` still works, with a warning), one mode per build, the schedule the
-settings describe, and protocols that megatron's classes satisfy."""
+"""The trainer's runtime is built by its config: one optimizer settings type, one mode per build,
+the schedule the settings describe, and protocols that megatron's classes satisfy."""
 
 from __future__ import annotations
 
@@ -12,20 +11,6 @@ import torch
 
 from relayrl.trainer import runtime
 from relayrl.trainer.config import OptimizerSettings, TrainerConfig
-
-
-def test_the_old_optimizer_settings_name_warns_and_keeps_its_fields() -> None:
-    with pytest.warns(DeprecationWarning, match="relayrl.trainer.config.OptimizerSettings"):
-        from relayrl.trainer.model import OptimizerSettings as Old
-    old = Old(lr=0.3, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1.0, clip_grad=0.0)
-    assert isinstance(old, OptimizerSettings)
-    assert (old.beta1, old.beta2, old.eps) == (0.8, 0.95, 1.0)
-    assert (old.adam_beta1, old.adam_beta2, old.adam_eps) == (0.8, 0.95, 1.0)
-    assert Old().lr == 1e-6 and OptimizerSettings().lr == 1e-5
-    with pytest.raises(ValueError, match="min_lr"):
-        Old(lr=1e-3, min_lr=1e-2)
-    with pytest.raises(ValueError):
-        old.lr = 1.0  # frozen, as the dataclass was
 
 
 @pytest.mark.parametrize(
@@ -71,18 +56,6 @@ def test_the_schedule_is_the_one_the_settings_describe() -> None:
     assert warm[-1] == pytest.approx(1e-4)
     assert all(a >= b for a, b in itertools.pairwise(warm[2:]))
     assert _lrs(OptimizerSettings(lr=1e-3), 0) == pytest.approx([1e-3])  # a run of 0 steps
-
-
-def test_moved_names_still_resolve_with_a_warning() -> None:
-    from relayrl.trainer import loop, server
-
-    with pytest.warns(DeprecationWarning, match="relayrl.trainer.runtime.build_policy"):
-        assert server.build_runtime is runtime.build_policy
-    with pytest.warns(DeprecationWarning, match="relayrl.trainer.runtime.Policy"):
-        assert server.Runtime is runtime.Policy
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    with pytest.warns(DeprecationWarning, match="OptimizerSettings.build_scheduler"):
-        loop.build_scheduler(TrainerConfig(), optimizer)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # megatron: Apex / Transformer Engine absent
