@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 # before the gateway, which registers its replicas with weight-sync as it starts: the other way
 # round the first registration fails and waits out the gateway's retry interval.
 ORDER = ("redis", "reward", "engine-0", "weightsync", "gateway", "trainer")
-Ports = LocalPorts  # its old name, kept for callers of relayrl.up.stack
 
 
 class ChildStartError(Exception):
