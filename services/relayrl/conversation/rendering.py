@@ -22,8 +22,8 @@ add_generation_prompt=True)` renders, with these deviations, all kept on purpose
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from relayrl.conversation.tools import ToolTable
 from relayrl.proto.common.v1 import common_pb2
@@ -90,6 +90,40 @@ def turn_end_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
 
 _SENTINEL = "relayrl-assistant-content-sentinel"
 
+# The chat template over (messages, add_generation_prompt): `render` with the caller's tools,
+# or the caller's own rendering (the gateway's agent endpoint maps the template's refusals to
+# its errors).
+RenderFn = Callable[[list[dict[str, Any]], bool], str]
+
+
+def appended_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    last_generated_id: int | None,
+    render_fn: RenderFn,
+) -> list[int] | None:
+    """Tokens between an assistant turn and the next generation when `messages` (any roles)
+    follow it: what the template renders after an assistant message, up to and including the
+    generation prompt. A closing special token the generation already ends with is not
+    repeated. None when the template renders the earlier turns differently once `messages`
+    follow (each caller says so in its own terms)."""
+    before: list[dict[str, Any]] = [
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": _SENTINEL},
+    ]
+    head = render_fn(before, False)
+    full = render_fn([*before, *messages], True)
+    if not full.startswith(head):
+        return None
+    closing = head[head.rindex(_SENTINEL) + len(_SENTINEL) :]
+    added = tokenizer.added_tokens_decoder
+    if last_generated_id is not None and last_generated_id in added:
+        piece = added[last_generated_id].content
+        if closing.startswith(piece):
+            closing = closing[len(piece) :]
+    # The rendered text carries its own special tokens; no BOS/EOS added around it.
+    return list(tokenizer.encode(closing + full[len(head) :], add_special_tokens=False))
+
 
 def observation_token_ids(
     tokenizer: PreTrainedTokenizerBase,
@@ -100,19 +134,17 @@ def observation_token_ids(
     """Tokens between a generation that called tools and the next generation: what the chat
     template renders after an assistant message when tool messages and the generation prompt
     follow. A closing special token the generation already ends with is not repeated."""
-    before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
-    after = before + [{"role": "tool", "content": output} for output in tool_outputs]
-    head = render(tokenizer, before, tools, add_generation_prompt=False)
-    full = render(tokenizer, after, tools, add_generation_prompt=True)
-    if not full.startswith(head):
+    token_ids = appended_token_ids(
+        tokenizer,
+        [{"role": "tool", "content": output} for output in tool_outputs],
+        last_generated_id,
+        lambda messages, add_generation_prompt: render(
+            tokenizer, messages, tools, add_generation_prompt
+        ),
+    )
+    if token_ids is None:
         raise ValueError(
             "the chat template renders earlier turns differently once a tool turn follows; "
             "tool_agent cannot append observations to the sampled tokens with it"
         )
-    closing = head[head.rindex(_SENTINEL) + len(_SENTINEL) :]
-    added = tokenizer.added_tokens_decoder
-    if last_generated_id is not None and last_generated_id in added:
-        piece = added[last_generated_id].content
-        if closing.startswith(piece):
-            closing = closing[len(piece) :]
-    return list(tokenizer.encode(closing + full[len(head) :], add_special_tokens=False))
+    return token_ids

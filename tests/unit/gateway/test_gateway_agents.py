@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from relayrl.conversation import rendering
 from relayrl.conversation.rendering import observation_token_ids, prompt_token_ids
 from relayrl.conversation.tool_calls import parse_tool_calls
 from relayrl.conversation.tools import (
@@ -25,6 +26,8 @@ from relayrl.conversation.tools import (
     ToolTable,
     evaluate_expression,
 )
+from relayrl.gateway.agent_http import AgentError, ErrorKind
+from relayrl.gateway.agent_http.template import appended_token_ids
 from relayrl.gateway.agents import (
     AgentContext,
     AgentLoop,
@@ -731,3 +734,38 @@ def test_observation_needs_a_template_that_keeps_earlier_turns(
 
     with pytest.raises(ValueError, match="renders earlier turns differently"):
         observation_token_ids(Rewriting(), ["x"], None)  # type: ignore[arg-type]
+
+
+def test_tool_agent_and_agent_endpoint_append_the_same_observation_tokens(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """One sentinel algorithm (`rendering.appended_token_ids`) serves the built-in tool loop
+    and the agent endpoint; each keeps its own error when the template rewrites history."""
+    outputs = ['{"result": 2}', "second"]
+    tool_messages = [{"role": "tool", "content": output} for output in outputs]
+    for last in (IM_END, ENDOFTEXT, None):
+        expected = observation_token_ids(tokenizer, outputs, last)
+        assert appended_token_ids(tokenizer, tool_messages, last, None) == expected
+    unclosed = tokenizer.decode(observation_token_ids(tokenizer, outputs, None))
+    closed = tokenizer.decode(observation_token_ids(tokenizer, outputs, IM_END))
+    assert unclosed.startswith("<|im_end|>") and not closed.startswith("<|im_end|>")
+    assert closed.endswith("<|im_start|>assistant\n")
+
+    class Rewriting:
+        added_tokens_decoder: ClassVar[dict[int, Any]] = {}
+
+        def apply_chat_template(self, messages, **kwargs):  # type: ignore[no-untyped-def]
+            return "|".join(m["content"] for m in reversed(messages))
+
+    assert (
+        rendering.appended_token_ids(
+            Rewriting(),  # type: ignore[arg-type]
+            tool_messages,
+            None,
+            lambda messages, add_generation_prompt: Rewriting().apply_chat_template(messages),
+        )
+        is None
+    )
+    with pytest.raises(AgentError, match="cannot append them") as refused:
+        appended_token_ids(Rewriting(), tool_messages, None, None)  # type: ignore[arg-type]
+    assert refused.value.kind is ErrorKind.INVALID

@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from relayrl.conversation import rendering
 from relayrl.gateway.agent_http.errors import AgentError, ErrorKind, invalid
 
 if TYPE_CHECKING:
@@ -43,9 +44,6 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-_SENTINEL = "relayrl-assistant-content-sentinel"
-
-
 def appended_token_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
@@ -53,25 +51,22 @@ def appended_token_ids(
     tools: Sequence[Mapping[str, Any]] | None,
 ) -> list[int]:
     """Tokens between an assistant turn and the next generation when `messages` (any roles)
-    follow it: what the template renders after an assistant message, up to and including
-    the generation prompt. A closing special token the generation already ends with is not
-    repeated. (`relayrl.conversation.rendering.observation_token_ids` does this for tool
-    messages only.)"""
-    before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
-    head = render_chat(tokenizer, before, tools, add_generation_prompt=False)
-    full = render_chat(tokenizer, [*before, *messages], tools, add_generation_prompt=True)
-    if not full.startswith(head):
+    follow it (`relayrl.conversation.rendering.appended_token_ids`, with this endpoint's
+    rendering and errors)."""
+    token_ids = rendering.appended_token_ids(
+        tokenizer,
+        messages,
+        last_generated_id,
+        lambda rendered, add_generation_prompt: render_chat(
+            tokenizer, rendered, tools, add_generation_prompt
+        ),
+    )
+    if token_ids is None:
         raise invalid(
             "the chat template renders earlier turns differently once these messages follow; "
             "the gateway cannot append them to the sampled tokens"
         )
-    closing = head[head.rindex(_SENTINEL) + len(_SENTINEL) :]
-    added = tokenizer.added_tokens_decoder
-    if last_generated_id is not None and last_generated_id in added:
-        piece = added[last_generated_id].content
-        if closing.startswith(piece):
-            closing = closing[len(piece) :]
-    return encode(tokenizer, closing + full[len(head) :])
+    return token_ids
 
 
 def message_key(message: Mapping[str, Any]) -> str:
