@@ -24,12 +24,10 @@ import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
 from relayrl.core.dotted import import_object
 from relayrl.proto.common.v1 import common_pb2
-
-T = TypeVar("T")
 
 ToolStatus = Literal["ok", "unknown_tool", "bad_arguments"]
 
@@ -253,15 +251,6 @@ def check_arguments(schema: Mapping[str, Any], arguments: Any) -> str | None:
 # --- the table -------------------------------------------------------------------------------
 
 
-def import_dotted(path: str, base: type[T], what: str) -> type[T]:
-    """`package.module:Class` -> the class, a subclass of `base`; ValueError naming the path
-    otherwise."""
-    target = import_object(path, what)
-    if not (isinstance(target, type) and issubclass(target, base)):
-        raise ValueError(f"{what} {path!r} is not a subclass of {base.__name__}")
-    return target
-
-
 @dataclass(frozen=True)
 class ToolResult:
     output: str  # what the policy reads
@@ -291,7 +280,7 @@ class ToolTable:
         for name, path in (user_tools or {}).items():
             if name in BUILTIN_TOOLS:
                 raise ValueError(f"user tool {name!r} ({path}) clashes with the built-in tool")
-            cls = import_dotted(path, Tool, "tool")
+            cls = import_object(path, "tool", subclass_of=Tool)
             if getattr(cls, "name", None) != name:
                 raise ValueError(
                     f"tool {path!r} is named {getattr(cls, 'name', None)!r}; configure it "

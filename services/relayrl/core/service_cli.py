@@ -8,19 +8,11 @@ needed. A user mistake ends with one line on stderr and exit code 2, never a tra
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 EXIT_USAGE = 2
-
-
-def _load(path: str) -> Any:
-    """`package.module:attribute` -> the attribute."""
-    module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 def service_command(
@@ -46,9 +38,10 @@ def service_command(
     def main(argv: Sequence[str] | None = None) -> int:
         args = _parser(prog, description, env_prefix).parse_args(argv)
         from relayrl.core.config import ConfigError, dump_config, load_config
+        from relayrl.core.dotted import import_object
 
         try:
-            loaded = load_config(_load(config), args.config, env_prefix)
+            loaded = load_config(import_object(config, prog), args.config, env_prefix)
         except ConfigError as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -63,7 +56,7 @@ def service_command(
             )
             return EXIT_USAGE
         ready_file = Path(args.ready_file) if args.ready_file else None
-        return _load(serve)(loaded, ready_file)
+        return import_object(serve, prog)(loaded, ready_file)
 
     return main
 

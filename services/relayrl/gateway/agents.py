@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from relayrl.conversation import rendering
 from relayrl.conversation import tool_calls as tool_syntax
-from relayrl.conversation.tools import ToolTable, error_message, import_dotted
+from relayrl.conversation.tools import ToolTable, error_message
+from relayrl.core.dotted import import_object
 from relayrl.inference.client import EngineClient, GenerateRequest, Generation, SamplingOptions
 from relayrl.proto.common.v1 import common_pb2
 
@@ -401,5 +402,5 @@ def build_agent_loops(user_loops: Mapping[str, str] | None = None) -> dict[str, 
     for name, path in (user_loops or {}).items():
         if name in loops:
             raise ValueError(f"user agent loop {name!r} ({path}) clashes with the built-in loop")
-        loops[name] = import_dotted(path, AgentLoop, "agent loop")()
+        loops[name] = import_object(path, "agent loop", subclass_of=AgentLoop)()
     return loops

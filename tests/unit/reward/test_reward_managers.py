@@ -10,11 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from relayrl.core.dotted import import_object
 from relayrl.reward.config import RewardConfig
 from relayrl.reward.items import InfraError, RewardItem, Status, Verdict, token_level_scores
 from relayrl.reward.limits import TokenBucket
 from relayrl.reward.managers.base import Outcome, RewardManager, call_batch
-from relayrl.reward.managers.custom import CustomConfig, import_dotted
+from relayrl.reward.managers.custom import CustomConfig
 from relayrl.reward.managers.table import build_managers
 from relayrl.reward.metrics import RewardMetrics
 from relayrl.reward.tenants import QuotaExceeded, Tenants
@@ -246,7 +247,7 @@ def test_bad_plugin_paths_fail_at_startup_with_a_reason(path: str, message: str)
 def test_dotted_path_syntax_is_checked_by_the_config() -> None:
     with pytest.raises(ValidationError, match="path"):
         CustomConfig(type="custom", path="os.system('x')")
-    assert import_dotted("os.path:join") is not None
+    assert import_object("os.path:join") is not None
 
 
 def test_manager_without_score_is_refused() -> None:

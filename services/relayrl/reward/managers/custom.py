@@ -24,11 +24,6 @@ from relayrl.reward.items import InfraError, RewardItem, Verdict
 from relayrl.reward.managers.base import ManagerConfigBase, ManagerContext, RewardManager
 
 
-def import_dotted(path: str) -> Any:
-    """`package.module:attribute` -> the object (see relayrl.core.dotted)."""
-    return import_object(path, "custom manager")
-
-
 class CustomConfig(ManagerConfigBase):
     """A user manager class or scoring function, imported by dotted path when the service
     starts."""
@@ -49,7 +44,7 @@ class CustomConfig(ManagerConfigBase):
     )
 
     def build(self, name: str, context: ManagerContext) -> RewardManager:
-        target = import_dotted(self.path)
+        target = import_object(self.path, "custom manager")
         if inspect.isclass(target):
             if not issubclass(target, RewardManager):
                 raise ValueError(f"{self.path} is a class but not a relayrl RewardManager subclass")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import multiprocessing
 import os
@@ -34,6 +33,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
+from relayrl.core.dotted import import_object
 from relayrl.core.ports import free_port
 
 _CHUNK_BYTES = 4 << 20
@@ -353,7 +353,7 @@ def _transport_role(
     if role == "sender":  # every sender holds the whole exported model
         model = torch.empty(spec.total_bytes, dtype=torch.uint8, device=device).random_()
     # The backend's modules first: an engine imports them once, not once per transfer.
-    importlib.import_module(TRANSPORTS[spec.type][role == "receiver"].partition(":")[0])
+    import_object(TRANSPORTS[spec.type][role == "receiver"], what=f"{spec.type} transport")
     window = PeakRssWindow()
     if role == "sender":
         sink = open_sink(spec, rank)
