@@ -875,9 +875,9 @@ class StartupError(Exception):
 
 def write_ready_file(path: Path, url: str) -> None:
     """{"url", "pid"}, atomically: a reader never sees a half-written file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"url": url, "pid": os.getpid()}), encoding="utf-8")
-    partial.replace(path)
+    from relayrl.core.atomic import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"url": url, "pid": os.getpid()}))
 
 
 async def serve(config: EmulatorConfig) -> None:

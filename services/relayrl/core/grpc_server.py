@@ -40,6 +40,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from relayrl.core.atomic import atomic_write_text
 from relayrl.core.config import (
     DEFAULT_EXEMPT_METHODS,
     ConfigError,
@@ -327,9 +328,7 @@ def write_ready_file(
         "grpc_port": service.port,
         "metrics_port": service.metrics_port,
     }
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data), encoding="utf-8")
-    partial.replace(path)
+    atomic_write_text(path, json.dumps(data))
 
 
 def build_service(

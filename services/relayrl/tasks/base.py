@@ -13,13 +13,13 @@ from __future__ import annotations
 import abc
 import hashlib
 import json
-import os
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
+from relayrl.core.atomic import atomic_open
 from relayrl.reward.items import RewardItem, Status
 from relayrl.reward.managers.rules import RULE_SCORERS
 
@@ -153,13 +153,11 @@ def write_jsonl(records: Iterable[Mapping[str, Any]], path: Path) -> int:
     """Writes one JSON object per line (UTF-8), atomically: a crash leaves the old file or the
     new one, never half of it. Returns the number of records."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
     count = 0
-    with partial.open("w", encoding="utf-8") as out:
+    with atomic_open(path, "w") as out:
         for record in records:
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1
-    os.replace(partial, path)
     return count
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from relayrl.core.atomic import atomic_write_text
 from relayrl.trainer.progress import EXIT_NO_PROGRESS as TRAINER_NO_PROGRESS
 from relayrl.up.config import UpConfig
 from relayrl.up.evaluate import EvalRecord, Evaluator, append_record, read_records
@@ -116,10 +117,7 @@ class Run:
 
     def _update_state(self, **changes: Any) -> None:
         state = self._state() | changes
-        path = self.run_dir / "run.json"
-        scratch = path.with_suffix(".tmp")
-        scratch.write_text(json.dumps(state, indent=2, default=str))
-        scratch.replace(path)
+        atomic_write_text(self.run_dir / "run.json", json.dumps(state, indent=2, default=str))
 
     # -- the run ----------------------------------------------------------------------------
 

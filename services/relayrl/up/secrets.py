@@ -21,6 +21,7 @@ from urllib.parse import quote
 import yaml
 
 from relayrl.core.access import AGENT, GATEWAY, OPERATOR, TRAINER, WEIGHTSYNC
+from relayrl.core.atomic import atomic_write_text
 from relayrl.core.grpc_client import ClientIdentity
 from relayrl.core.interceptors import token_digest
 from relayrl.stack import Identities
@@ -98,8 +99,4 @@ def operator_identity(run_dir: Path) -> ClientIdentity:
 
 def _write_private(path: Path, text: str) -> None:
     """Writes `text` to a file only its owner can read, replacing it whole."""
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    partial.replace(path)
+    atomic_write_text(path, text, permissions=0o600)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relayrl.core.atomic import atomic_write_bytes, atomic_write_text
 from relayrl.core.service_process import ServiceProcess
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
@@ -467,10 +468,7 @@ class Stack:
             "children": {name: child.describe() for name, child in self.children.items()},
             "written": time.time(),
         }
-        path = self.run_dir / "stack.json"
-        scratch = path.with_suffix(".tmp")
-        scratch.write_text(json.dumps(state, indent=2))
-        scratch.replace(path)
+        atomic_write_text(self.run_dir / "stack.json", json.dumps(state, indent=2))
 
     def _record(self, event: Event) -> None:
         with self._lock:
@@ -566,9 +564,7 @@ class Stack:
             try:
                 with opener.open(url, timeout=10) as response:
                     body = response.read()
-                scratch = out_dir / f".{name}.prom.tmp"
-                scratch.write_bytes(body)
-                scratch.replace(out_dir / f"{name}.prom")
+                atomic_write_bytes(out_dir / f"{name}.prom", body)
             except (urllib.error.URLError, OSError) as exc:
                 problems[name] = str(exc)
         return problems

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from relayrl.core.atomic import atomic_write_bytes, fsync_dir
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.transfer.plan import BucketLayout, Piece, layouts_from_pieces, plan_digest
@@ -58,14 +59,6 @@ class StoredVersion:
     buckets: list[bytes]
     sha256: list[str]
     committed_at: float
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write(path: Path, data: bytes | mmap.mmap) -> None:
@@ -103,7 +96,7 @@ class CommittedStore:
         _write(partial / "tensors.pb", manifest.SerializeToString())
         for index, data in enumerate(buckets):
             _write(partial / f"bucket-{index:05d}.bin", data)
-        _fsync_dir(partial)
+        fsync_dir(partial)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         return folder
@@ -129,10 +122,9 @@ class CommittedStore:
             "sha256": sha256,
             "committed_at": time.time(),
         }
-        scratch = self.directory / f".{POINTER}.tmp"
-        _write(scratch, json.dumps(pointer, indent=1).encode())
-        scratch.replace(self.directory / POINTER)
-        _fsync_dir(self.directory)
+        atomic_write_bytes(
+            self.directory / POINTER, json.dumps(pointer, indent=1).encode(), fsync=True
+        )
         for old in self.directory.iterdir():
             if old.is_dir() and old.name != folder:
                 shutil.rmtree(old, ignore_errors=True)

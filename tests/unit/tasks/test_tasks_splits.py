@@ -149,7 +149,7 @@ def test_the_trainer_feeder_reads_the_written_records(name: str, tmp_path: Path)
     records = task.prompts("train", 20, seed=0)
     path = tmp_path / "data" / "prompts.jsonl"
     assert write_jsonl(records, path) == 20
-    assert not list(path.parent.glob("*.partial"))
+    assert [p.name for p in path.parent.iterdir()] == ["prompts.jsonl"]  # no scratch left
     loaded = load_prompts(path)
     for record, prompt in zip(records, loaded, strict=True):
         assert prompt.messages == (("user", record["prompt"]),)
