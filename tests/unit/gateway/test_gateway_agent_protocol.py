@@ -188,6 +188,37 @@ def test_a_malformed_completions_request_is_refused(body: dict[str, Any], param:
     assert refusal(CompletionsRequest, body).param == param
 
 
+SHARED_SAMPLING_FIELDS = [
+    "n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias",
+    "max_completion_tokens", "max_tokens", "top_k", "temperature", "top_p", "seed", "stop",
+    "include_stop_str_in_output", "structured_outputs", "response_format", "stream",
+    "stream_options",
+]  # fmt: skip
+
+
+def test_both_routes_check_the_shared_sampling_fields_between_their_own() -> None:
+    """The fields chat and completions share are declared once (`SamplingRequest`); each route
+    still checks its prompt first and its log-prob fields after them."""
+    assert list(ChatCompletionRequest.model_fields) == [
+        "model", "messages", "tool_choice", "tools",
+        *SHARED_SAMPLING_FIELDS,
+        "logprobs", "top_logprobs", "return_token_ids",
+    ]  # fmt: skip
+    assert list(CompletionsRequest.model_fields) == [
+        "model", "echo", "suffix", "prompt",
+        *SHARED_SAMPLING_FIELDS,
+        "logprobs", "return_token_ids",
+    ]  # fmt: skip
+    assert refusal(ChatCompletionRequest, chat(messages="x", n=2)).param == "messages"
+    assert refusal(ChatCompletionRequest, chat(n=2, logprobs=3)).param == "n"
+    completion = {"model": MODEL, "prompt": [], "n": 2, "logprobs": 9}
+    assert refusal(CompletionsRequest, completion).param == "prompt"
+    assert refusal(CompletionsRequest, {**completion, "prompt": "x"}).param == "n"
+    assert refusal(CompletionsRequest, {"model": MODEL, "prompt": "x", "logprobs": 9}).param == (
+        "logprobs"
+    )
+
+
 def test_an_open_session_request_takes_only_the_gateway_fields() -> None:
     unknown = refusal(OpenSessionRequest, {"colour": "red"})
     assert unknown.param is None

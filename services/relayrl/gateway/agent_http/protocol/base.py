@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NoReturn, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -138,30 +138,44 @@ ResponseFormat = Annotated[
 ]
 
 
-class SamplingFields(Protocol):
-    """The sampling and answer fields the chat and the completions requests both declare
-    (each in its own order of checks)."""
+class SamplingRequest(OpenAIRequest):
+    """The sampling and answer fields the chat and the completions requests share, declared
+    once. Each route checks them after its own leading fields (the model, the messages or the
+    prompt) and before its log-prob fields: it is declared as `class Route(SamplingRequest,
+    RouteLeading)`, since pydantic orders the fields of the last base first, then those of
+    the bases before it, then the class's own."""
 
-    max_completion_tokens: int | None
-    max_tokens: int | None
-    top_k: int | None
-    temperature: float | None
-    top_p: float | None
-    seed: int | None
-    stop: tuple[str, ...]
-    structured_outputs: dict[str, Any] | None
-    response_format: dict[str, Any] | None
-    include_stop_str_in_output: bool
-    stream: bool
-    stream_options: dict[str, Any] | None
-    return_token_ids: bool
+    n: NotOne = None
+    best_of: NoBestOf = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    logit_bias: LogitBias = None
+    max_completion_tokens: MaxTokens = None
+    max_tokens: LegacyMaxTokens = None
+    top_k: TopK = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
+    stop: Stop = ()
+    include_stop_str_in_output: Flag = False  # vLLM's
+    structured_outputs: StructuredOutputs = None
+    response_format: ResponseFormat = checked_if_absent()
+    stream: Flag = False
+    stream_options: Object = None
+
+    if TYPE_CHECKING:  # each route declares it last, after its log-prob fields
+        return_token_ids: bool
 
     def logprob_alternatives(self) -> int | None:
         """None: no log-probs in the answer; else the alternatives per token besides the
         sampled one (0: the sampled token's log-prob only)."""
+        raise NotImplementedError
+
+    def options(self) -> AnswerOptions:
+        return AnswerOptions.of(self)
 
 
-def sampling_of(request: SamplingFields) -> TurnSampling:
+def sampling_of(request: SamplingRequest) -> TurnSampling:
     max_tokens = request.max_completion_tokens
     return TurnSampling(
         max_tokens=request.max_tokens if max_tokens is None else max_tokens,
@@ -189,7 +203,7 @@ class AnswerOptions:
     return_token_ids: bool = False
 
     @classmethod
-    def of(cls, request: SamplingFields) -> AnswerOptions:
+    def of(cls, request: SamplingRequest) -> AnswerOptions:
         stream_options = request.stream_options or {}
         alternatives = request.logprob_alternatives()
         return cls(

@@ -15,24 +15,11 @@ from relayrl.gateway.agent_http.protocol.base import (
     Answer,
     AnswerOptions,
     Flag,
-    LegacyMaxTokens,
-    LogitBias,
-    MaxTokens,
     ModelName,
-    NoBestOf,
-    NotOne,
-    Object,
     OpenAIRequest,
-    Penalty,
     RelayrlInfo,
-    ResponseFormat,
-    Seed,
-    Stop,
-    StructuredOutputs,
-    Temperature,
+    SamplingRequest,
     TokenTexts,
-    TopK,
-    TopP,
     Usage,
     checked,
     checked_if_absent,
@@ -41,30 +28,19 @@ from relayrl.gateway.agent_http.protocol.base import (
 )
 
 
-class ChatCompletionRequest(OpenAIRequest):
-    """The fields are checked in this order; the first wrong one is reported."""
+class ChatLeading(OpenAIRequest):
+    """The chat request's fields checked before the shared sampling fields."""
 
     model: ModelName = checked_if_absent()
     messages: Annotated[list[dict[str, Any]], checked(checks.check_messages)] = checked_if_absent()
     tool_choice: Annotated[Any, checked(checks.check_tool_choice)] = None
     tools: Annotated[list[dict[str, Any]] | None, checked(checks.check_tools)] = None
-    n: NotOne = None
-    best_of: NoBestOf = None
-    presence_penalty: Penalty = None
-    frequency_penalty: Penalty = None
-    logit_bias: LogitBias = None
-    max_completion_tokens: MaxTokens = None
-    max_tokens: LegacyMaxTokens = None
-    top_k: TopK = None
-    temperature: Temperature = None
-    top_p: TopP = None
-    seed: Seed = None
-    stop: Stop = ()
-    include_stop_str_in_output: Flag = False  # vLLM's
-    structured_outputs: StructuredOutputs = None
-    response_format: ResponseFormat = checked_if_absent()
-    stream: Flag = False
-    stream_options: Object = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatLeading):
+    """The fields are checked in this order (`ChatLeading`'s, `SamplingRequest`'s, these); the
+    first wrong one is reported."""
+
     logprobs: Flag = False
     top_logprobs: Annotated[int, checked(checks.check_top_logprobs, after="logprobs")] = 0
     return_token_ids: Flag = False
@@ -83,9 +59,6 @@ class ChatCompletionRequest(OpenAIRequest):
             sampling=sampling,
             parse_tool_calls=self.tool_choice != "none",
         )
-
-    def options(self) -> AnswerOptions:
-        return AnswerOptions.of(self)
 
 
 class FunctionCall(Answer):

@@ -15,24 +15,11 @@ from relayrl.gateway.agent_http.protocol.base import (
     Answer,
     AnswerOptions,
     Flag,
-    LegacyMaxTokens,
-    LogitBias,
-    MaxTokens,
     ModelName,
-    NoBestOf,
-    NotOne,
-    Object,
     OpenAIRequest,
-    Penalty,
     RelayrlInfo,
-    ResponseFormat,
-    Seed,
-    Stop,
-    StructuredOutputs,
-    Temperature,
+    SamplingRequest,
     TokenTexts,
-    TopK,
-    TopP,
     Usage,
     checked,
     checked_if_absent,
@@ -41,30 +28,19 @@ from relayrl.gateway.agent_http.protocol.base import (
 )
 
 
-class CompletionsRequest(OpenAIRequest):
-    """The fields are checked in this order; the first wrong one is reported."""
+class CompletionsLeading(OpenAIRequest):
+    """The completions request's fields checked before the shared sampling fields."""
 
     model: ModelName = checked_if_absent()
     echo: Annotated[Any, checked(checks.check_echo)] = None
     suffix: Annotated[Any, checked(checks.check_echo)] = None
     prompt: Annotated[str | tuple[int, ...], checked(checks.check_prompt)] = checked_if_absent()
-    n: NotOne = None
-    best_of: NoBestOf = None
-    presence_penalty: Penalty = None
-    frequency_penalty: Penalty = None
-    logit_bias: LogitBias = None
-    max_completion_tokens: MaxTokens = None
-    max_tokens: LegacyMaxTokens = None
-    top_k: TopK = None
-    temperature: Temperature = None
-    top_p: TopP = None
-    seed: Seed = None
-    stop: Stop = ()
-    include_stop_str_in_output: Flag = False  # vLLM's
-    structured_outputs: StructuredOutputs = None
-    response_format: ResponseFormat = checked_if_absent()
-    stream: Flag = False
-    stream_options: Object = None
+
+
+class CompletionsRequest(SamplingRequest, CompletionsLeading):
+    """The fields are checked in this order (`CompletionsLeading`'s, `SamplingRequest`'s,
+    these); the first wrong one is reported."""
+
     # The number of alternatives per token besides the sampled one (0: its log-prob only).
     logprobs: Annotated[int | None, checked(checks.check_completion_logprobs)] = None
     return_token_ids: Flag = False
@@ -76,9 +52,6 @@ class CompletionsRequest(OpenAIRequest):
         if isinstance(self.prompt, str):
             return CompletionRequest(self.prompt, None, sampling_of(self))
         return CompletionRequest(None, tuple(self.prompt), sampling_of(self))
-
-    def options(self) -> AnswerOptions:
-        return AnswerOptions.of(self)
 
 
 class CompletionLogprobs(Answer):
