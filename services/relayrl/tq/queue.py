@@ -55,8 +55,10 @@ from relayrl.tq.model import (
     INFRA_REWARD_STATUSES,
     ClaimedGroup,
     ClaimResult,
+    Event,
     GroupStatus,
     NamedClaimResult,
+    PartitionSnapshot,
     PutResult,
     TrajectoryPut,
     TrajectoryStatus,
@@ -369,7 +371,7 @@ class TransferQueue(QueueReads, QueueEvents):
         # Payloads go in as plain SETs under staging keys, in one MULTI with the script that
         # renames them into place: bulk bytes never pass through Lua, and a client that dies
         # before EXEC leaves nothing behind.
-        stage = f"{self.key_prefix(partition)}stage:{uuid.uuid4().hex}:"
+        stage = f"{self._key_prefix(partition)}stage:{uuid.uuid4().hex}:"
         pipe = self._redis.pipeline(transaction=True)
         for i, e in enumerate(encoded):
             pipe.set(f"{stage}{i}", e.data)
@@ -412,6 +414,29 @@ class TransferQueue(QueueReads, QueueEvents):
         if not isinstance(after_step, int) or isinstance(after_step, bool) or after_step < -1:
             raise InvalidInputError(f"after_step must be an integer >= -1, got {after_step!r}")
         return [u.decode() for u in self._call(partition, "reset_consumption", after_step)]
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def audit_snapshot(self, partition: str, page: int = 10_000) -> PartitionSnapshot:
+        """Every group with its trajectories, the leases, the whole event stream and the
+        consumer groups of a partition: what an audit of a stopped run reads (`relayrl audit`).
+        Not one atomic step, and as big as the partition: not for a running system's hot path."""
+        uids = self.group_uids(partition)
+        groups = {g.group.uid: g for g in self.get_groups(partition, uids)} if uids else {}
+        events: list[Event] = []
+        start = "-"
+        while True:
+            batch = self.read_events(partition, start, page)
+            events += batch
+            if len(batch) < page:
+                break
+            start = "(" + batch[-1].id
+        return PartitionSnapshot(
+            groups=groups,
+            leases=self.leases(partition),
+            events=events,
+            consumer_groups=self.consumer_groups(partition, page),
+        )
 
     def check_durability(self) -> None:
         """Raises DurabilityError unless the server runs with AOF and the configured fsync policy.
