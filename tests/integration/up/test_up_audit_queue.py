@@ -11,6 +11,7 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import EventConsumer, TrajectoryPut, TransferQueue
 from relayrl.tq.server import RedisServer
 from relayrl.up.audit import NAMESPACE, PARTITION, audit_run
+from relayrl_testkit.helpers.up import audit_queue
 
 FINISHED = {("trajectory", "finished")}
 
@@ -114,6 +115,15 @@ def test_the_audit_finds_what_the_queue_holds_and_what_no_one_will_move(tmp_path
     ]
     assert report.left_over == 6  # 3 finished, 2 running, pending
     assert report.stale_served == [] and not report.ok
+
+    seen = audit_queue(run.dir)  # the test kit's reading of the same queue
+    assert list(seen.groups) == [  # in uid order
+        *("lease-lost", "no-signal", "pending", "read-acked", "read-pending"),
+        *("running", "trained", "unread", "usable"),
+    ]
+    assert seen.statuses["GROUP_STATUS_CONSUMED"] == 3
+    assert seen.consumed_at() == {"trained": 0, "usable": 0, "no-signal": 0}
+    assert seen.consume_events == {"trained": 1, "usable": 1, "no-signal": 1}
 
 
 def test_without_a_reward_consumer_group_every_finished_trajectory_is_still_to_deliver(
