@@ -39,9 +39,10 @@ def unavailable_as_tq_error() -> Iterator[None]:
         raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
 
 
-def partition_key_prefix(namespace: str, partition: str) -> str:
+def _partition_key_prefix(namespace: str, partition: str) -> str:
     """The prefix of every key of one partition. Private to relayrl.tq: everyone else reads the
-    queue through its methods (tests/unit/tq/test_tq_key_ownership.py enforces it)."""
+    queue through its methods (tests/unit/tq/test_tq_key_ownership.py enforces it); a test that
+    corrupts or inspects raw state on purpose asks relayrl.tq.testing."""
     return f"{{{namespace}}}:p:{partition}:"
 
 
@@ -87,10 +88,7 @@ class QueueBase:
         return f"{{{self._ns}}}:partitions"
 
     def _key_prefix(self, partition: str) -> str:
-        return partition_key_prefix(self._ns, partition)
-
-    def key_prefix(self, partition: str) -> str:
-        return self._key_prefix(partition)
+        return _partition_key_prefix(self._ns, partition)
 
     def _events_key(self, partition: str) -> str:
         return f"{self._key_prefix(partition)}events"

@@ -10,7 +10,9 @@ relayrl.tq.model for the state machine). Puts are idempotent: retrying a put wit
 content is a no-op, reusing a key with other content is a ConflictError.
 
 Key layout (all keys share the hash tag "{<namespace>}", so a Redis Cluster keeps a namespace
-on one shard):
+on one shard). It is private to relayrl.tq: every other module reads the queue through its
+methods (tests/unit/tq/test_tq_key_ownership.py enforces it, and that every key the scripts use
+is listed here):
     {ns}:partitions                 set of partition names
     {ns}:p:<part>:g:<uid>           hash: one prompt group (status, step, claim, counters, data)
     {ns}:p:<part>:t:<uid>_<i>       hash: one trajectory's status, tags and reward
@@ -21,6 +23,7 @@ on one shard):
                                     (by consumed step for 'consumed')
     {ns}:p:<part>:leases            sorted set: running groups by lease deadline (ms)
     {ns}:p:<part>:launched          groups claimed and not returned to pending
+    {ns}:p:<part>:claimseq          counter: the number of the last claim id handed out
     {ns}:p:<part>:tcount            hash: trajectories by status
     {ns}:p:<part>:events            stream: every transition (consumer groups read it)
     {ns}:p:<part>:dead              stream: events given up on after too many deliveries

@@ -10,6 +10,7 @@ from pathlib import Path
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import EventConsumer, TrajectoryPut, TransferQueue
 from relayrl.tq.server import RedisServer
+from relayrl.tq.testing import key_prefix_for_tests
 from relayrl.up.audit import NAMESPACE, PARTITION, audit_run
 from relayrl_testkit.helpers.up import audit_queue
 
@@ -63,7 +64,7 @@ class Run:
 
     def drop_lease(self, uid: str) -> None:
         """A state no transition leaves behind: a running group whose lease is gone."""
-        self.tq.redis.zrem(f"{self.tq.key_prefix(PARTITION)}leases", uid)
+        self.tq.redis.zrem(f"{key_prefix_for_tests(NAMESPACE, PARTITION)}leases", uid)
 
     def trained(self, steps: dict[int, list[str]]) -> None:
         (self.dir / "trainer").mkdir()
