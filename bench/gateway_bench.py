@@ -46,8 +46,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
-
 from relayrl.core.service_process import ServiceProcess
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
@@ -164,19 +162,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _stream_ms(entry_id: bytes) -> int:
-    return int(entry_id.split(b"-")[0])
+def _stream_ms(event_id: str) -> int:
+    return int(event_id.split("-")[0])
 
 
-def run_gateway(
-    tq: TransferQueue, client: redis.Redis, work: Workload, tag: str, gateway: ServiceProcess
-) -> Result:
-    stream = tq.key_prefix(PARTITION) + "events"
-    last = client.xrevrange(stream, count=1)
-    cursor = last[0][0] if last else b"0-0"
+def run_gateway(tq: TransferQueue, work: Workload, tag: str, gateway: ServiceProcess) -> Result:
+    last = tq.last_events(PARTITION, 1)
+    cursor = last[0].id if last else "0-0"
     groups = work.groups(tag)
     expected = len(groups) * work.samples
-    prefix = tag.encode() + b"-"
+    prefix = tag + "-"
     put_ms = claimed_ms = written_ms = None
     written = failed = 0
     cpu = process_cpu_s(gateway.pid)
@@ -190,20 +185,19 @@ def run_gateway(
                 f"gateway round {tag}: {written}/{expected} trajectories after "
                 f"{ROUND_TIMEOUT_S} s (gateway alive: {gateway.alive()}):\n{gateway.log()[-4000:]}"
             )
-        for _, entries in client.xread({stream: cursor}, count=1000, block=1000) or []:
-            for entry_id, fields in entries:
-                cursor = entry_id
-                if not fields[b"key"].startswith(prefix):
-                    continue
-                kind, to = fields[b"kind"], fields[b"to"]
-                if kind == b"group" and to == b"pending" and put_ms is None:
-                    put_ms = _stream_ms(entry_id)
-                elif kind == b"group" and to == b"running" and claimed_ms is None:
-                    claimed_ms = _stream_ms(entry_id)
-                elif kind == b"trajectory" and to in (b"finished", b"failed"):
-                    written += 1
-                    failed += to == b"failed"
-                    written_ms = _stream_ms(entry_id)
+        for event in tq.follow_events(PARTITION, cursor, block_ms=1000, count=1000):
+            cursor = event.id
+            if not event.key.startswith(prefix):
+                continue
+            kind, to = event.kind, event.to_status
+            if kind == "group" and to == "pending" and put_ms is None:
+                put_ms = _stream_ms(event.id)
+            elif kind == "group" and to == "running" and claimed_ms is None:
+                claimed_ms = _stream_ms(event.id)
+            elif kind == "trajectory" and to in ("finished", "failed"):
+                written += 1
+                failed += to == "failed"
+                written_ms = _stream_ms(event.id)
     seconds = time.perf_counter() - start
     cpu = process_cpu_s(gateway.pid) - cpu
     if failed:
@@ -290,10 +284,9 @@ def bench(args: argparse.Namespace) -> None:
                 print(f"engine ready in {time.perf_counter() - t0:.0f} s at {engine.url}")
                 config = gateway_config(server.url, model_dir, engine.url, args.groups)
                 gateway = ServiceProcess("relayrl-gateway", config, root / "gateway").start()
-                client = server.client()
-                tq = TransferQueue(client)
+                tq = TransferQueue(server.client())
                 tq.create_partition(PARTITION)
-                results = rounds(args, work, stop_ids, engine, tq, client, gateway)
+                results = rounds(args, work, stop_ids, engine, tq, gateway)
                 tq.close()
             finally:
                 if gateway is not None:
@@ -308,7 +301,6 @@ def rounds(
     stop_ids: tuple[int, ...],
     engine: EngineProcess,
     tq: TransferQueue,
-    client: redis.Redis,
     gateway: ServiceProcess,
 ) -> tuple[list[Result], list[Result]]:
     direct: list[Result] = []
@@ -325,7 +317,7 @@ def rounds(
                         result = runner.run(run_direct(engine_client, work, tag, stop_ids))
                         (direct if run else []).append(result)
                     else:
-                        result = run_gateway(tq, client, work, tag, gateway)
+                        result = run_gateway(tq, work, tag, gateway)
                         (through if run else []).append(result)
                     line.append(f"{side} {result.summary()}")
                 label = "warm-up" if run == 0 else f"round {run}"

@@ -246,26 +246,18 @@ def cmd_tq_events(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    events = tq.redis.xrevrange(f"{tq.key_prefix(args.partition)}events", count=args.count)
-    for entry_id, fields in reversed(events):
-        f = {k.decode(): v.decode() for k, v in fields.items()}
-        extra = " ".join(f"{k}={v}" for k, v in f.items() if k not in ("kind", "key", "from", "to"))
-        print(
-            f"{entry_id.decode()} {f.get('kind')} {f.get('key')} "
-            f"{f.get('from') or '-'} -> {f.get('to')} {extra}".rstrip()
-        )
+    for e in tq.last_events(args.partition, args.count):
+        extra = " ".join(f"{k}={v}" for k, v in e.extra.items())
+        print(f"{e.id} {e.kind} {e.key} {e.from_status or '-'} -> {e.to_status} {extra}".rstrip())
     return 0
 
 
 def cmd_tq_redrive(args: argparse.Namespace) -> int:
     """Dead letters back into their event stream (after the cause is fixed)."""
-    from relayrl.tq.queue import event_from_entry
-
     tq = _tq_from_args(args)
     if args.partition not in tq.partitions():
         raise ValueError(f"no partition {args.partition!r} in namespace {args.namespace!r}")
-    dead = tq.redis.xrange(f"{tq.key_prefix(args.partition)}dead", "-", "+", count=args.count)
-    letters = [event_from_entry(i, f) for i, f in dead]
+    letters = tq.dead_letters(args.partition, args.count)
     if args.id:
         known = {e.id for e in letters}
         missing = [i for i in args.id if i not in known]

@@ -490,8 +490,8 @@ class _PendingWatcher:
     one of asyncio's few default worker threads)."""
 
     def __init__(self, tq: TransferQueue, partition: str, wake: asyncio.Event) -> None:
-        self._redis = tq.redis
-        self._stream = f"{tq.key_prefix(partition)}events"
+        self._tq = tq
+        self._partition = partition
         self._wake = wake
         self._loop = asyncio.get_running_loop()
         self._stopping = threading.Event()
@@ -509,12 +509,11 @@ class _PendingWatcher:
         last_id = "$"
         while not self._stopping.is_set():
             try:
-                reply = self._redis.xread({self._stream: last_id}, block=WATCH_BLOCK_MS)
-            except redis.RedisError:
+                last_id, pending = self._tq.wait_for_pending(
+                    self._partition, last_id, block_ms=WATCH_BLOCK_MS
+                )
+            except (TQError, redis.RedisError):
                 self._stopping.wait(1.0)  # Redis away: the claim loop's poll still runs
                 continue
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    if fields.get(b"kind") == b"group" and fields.get(b"to") == b"pending":
-                        self._loop.call_soon_threadsafe(self._wake.set)
+            if pending:
+                self._loop.call_soon_threadsafe(self._wake.set)

@@ -39,6 +39,13 @@ def unavailable_as_tq_error() -> Iterator[None]:
         raise TQUnavailableError(f"TransferQueue Redis is unavailable: {exc}") from exc
 
 
+def _partition_key_prefix(namespace: str, partition: str) -> str:
+    """The prefix of every key of one partition. Private to relayrl.tq: everyone else reads the
+    queue through its methods (tests/unit/tq/test_tq_key_ownership.py enforces it); a test that
+    corrupts or inspects raw state on purpose asks relayrl.tq.testing."""
+    return f"{{{namespace}}}:p:{partition}:"
+
+
 def _positive_int(value: object, name: str, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -80,14 +87,20 @@ class QueueBase:
     def _partitions_key(self) -> str:
         return f"{{{self._ns}}}:partitions"
 
-    def key_prefix(self, partition: str) -> str:
-        return f"{{{self._ns}}}:p:{partition}:"
+    def _key_prefix(self, partition: str) -> str:
+        return _partition_key_prefix(self._ns, partition)
+
+    def _events_key(self, partition: str) -> str:
+        return f"{self._key_prefix(partition)}events"
+
+    def _dead_key(self, partition: str) -> str:
+        return f"{self._key_prefix(partition)}dead"
 
     def _call(
         self, partition: str, script: str, *args: Any, pipe: redis.client.Pipeline | None = None
     ) -> Any:
         codec.check_partition_name(partition)
-        argv = [self.key_prefix(partition), partition, self._event_stream_max_len, *args]
+        argv = [self._key_prefix(partition), partition, self._event_stream_max_len, *args]
         return self._run(partition, script, [self._partitions_key()], argv, pipe)
 
     def _run(

@@ -59,8 +59,7 @@ class EventConsumer:
         self._wants = None if wants is None else frozenset(wants)
         self._reclaim_idle_ms = max(1, round(reclaim_idle_s * 1000))
         self._max_deliveries = max_deliveries
-        prefix = tq.key_prefix(partition)
-        self.stream, self.dead_stream = f"{prefix}events", f"{prefix}dead"
+        self.stream = tq._events_key(partition)
         self._ensure_group(start_id)
 
     def _ensure_group(self, start_id: str) -> None:
@@ -145,6 +144,4 @@ class EventConsumer:
             return int(self._redis.xpending(self.stream, self.group)["pending"])
 
     def dead_letters(self, count: int = 100) -> list[Event]:
-        with unavailable_as_tq_error():
-            entries = self._redis.xrange(self.dead_stream, "-", "+", count)
-        return [event_from_entry(i, f) for i, f in entries]
+        return self._tq.dead_letters(self.partition, count)

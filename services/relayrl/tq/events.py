@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from relayrl.tq import codec
 from relayrl.tq.base import QueueBase, _positive_int, unavailable_as_tq_error
-from relayrl.tq.model import Event
+from relayrl.tq.model import ConsumerGroupState, Event, PendingEntry
 
 
 class QueueEvents(QueueBase):
@@ -20,7 +20,7 @@ class QueueEvents(QueueBase):
         consumer group has not acknowledged the oldest ones)."""
         codec.check_partition_name(partition)
         with unavailable_as_tq_error():
-            return int(self._redis.xlen(f"{self.key_prefix(partition)}events"))
+            return int(self._redis.xlen(self._events_key(partition)))
 
     def redrive_dead_letters(
         self, partition: str, ids: Sequence[str] | None = None, count: int = 1000
@@ -30,12 +30,11 @@ class QueueEvents(QueueBase):
         them again; returns the ids of the new entries. Atomic per call."""
         codec.check_partition_name(partition)
         _positive_int(count, "count")
-        prefix = self.key_prefix(partition)
         wanted = list(ids or [])
         raw = self._run(
             partition,
             "redrive",
-            [f"{prefix}events", f"{prefix}dead"],
+            [self._events_key(partition), self._dead_key(partition)],
             [count, len(wanted), *wanted],
         )
         return [entry.decode() if isinstance(entry, bytes) else entry for entry in raw]
@@ -44,7 +43,72 @@ class QueueEvents(QueueBase):
         """Events given up on after too many deliveries (the dead-letter stream's length)."""
         codec.check_partition_name(partition)
         with unavailable_as_tq_error():
-            return int(self._redis.xlen(f"{self.key_prefix(partition)}dead"))
+            return int(self._redis.xlen(self._dead_key(partition)))
+
+    def dead_letters(self, partition: str, count: int = 100) -> list[Event]:
+        """The oldest `count` dead letters, with their `dead_*` bookkeeping in `extra` (the
+        consumer group, reader and deliveries that gave up, and the event's own id)."""
+        codec.check_partition_name(partition)
+        with unavailable_as_tq_error():
+            entries = self._redis.xrange(self._dead_key(partition), "-", "+", count)
+        return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
+
+    def consumer_groups(self, partition: str, page: int = 10_000) -> dict[str, ConsumerGroupState]:
+        """The consumer groups reading the partition's event stream, by name, with every entry
+        each has been delivered and not acknowledged (read `page` at a time)."""
+        codec.check_partition_name(partition)
+        stream = self._events_key(partition)
+        out: dict[str, ConsumerGroupState] = {}
+        with unavailable_as_tq_error():
+            infos = self._redis.xinfo_groups(stream) if self._redis.exists(stream) else []
+            for info in infos:
+                name = info["name"].decode()
+                out[name] = ConsumerGroupState(
+                    name, info["last-delivered-id"].decode(), self._pending(stream, name, page)
+                )
+        return out
+
+    def _pending(self, stream: str, group: str, page: int) -> list[PendingEntry]:
+        out: list[PendingEntry] = []
+        start = "-"
+        while True:
+            entries = self._redis.xpending_range(stream, group, start, "+", page)
+            out += [
+                PendingEntry(p["message_id"].decode(), p["consumer"].decode(), p["times_delivered"])
+                for p in entries
+            ]
+            if len(entries) < page:
+                return out
+            start = f"({out[-1].id}"
+
+    def follow_events(
+        self, partition: str, after: str, *, block_ms: int | None = None, count: int | None = None
+    ) -> list[Event]:
+        """Transitions after event id `after` ("$": only those appended from now on), waiting up
+        to `block_ms` for the first when there is none yet (None: no wait); at most `count`."""
+        codec.check_partition_name(partition)
+        stream = self._events_key(partition)
+        with unavailable_as_tq_error():
+            reply = self._redis.xread({stream: after}, count=count, block=block_ms)
+        return [event_from_entry(i, f) for _, entries in reply or [] for i, f in entries]
+
+    def wait_for_pending(
+        self, partition: str, after: str = "$", *, block_ms: int
+    ) -> tuple[str, bool]:
+        """Waits up to `block_ms` for transitions after event id `after` ("$": from now on) and
+        returns the id of the last one read (`after` when none came) and whether any of them
+        made a group pending: what a claim loop waits on instead of polling."""
+        codec.check_partition_name(partition)
+        stream = self._events_key(partition)
+        with unavailable_as_tq_error():
+            reply = self._redis.xread({stream: after}, block=block_ms)
+        last_id, pending = after, False
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                if fields.get(b"kind") == b"group" and fields.get(b"to") == b"pending":
+                    pending = True
+        return last_id, pending
 
     def reclaim_events(
         self,
@@ -59,11 +123,11 @@ class QueueEvents(QueueBase):
         """Claims for `reader` the entries of consumer group `group` idle for `min_idle_ms`,
         moving those delivered `max_deliveries` times to the dead-letter stream. Returns the
         claimed events and the number dead-lettered. (EventConsumer.read calls this.)"""
-        prefix = self.key_prefix(codec.check_partition_name(partition))
+        codec.check_partition_name(partition)
         raw = self._run(
             partition,
             "reclaim",
-            [f"{prefix}events", f"{prefix}dead"],
+            [self._events_key(partition), self._dead_key(partition)],
             [group, reader, min_idle_ms, count, max_deliveries],
         )
         events = []
@@ -76,14 +140,14 @@ class QueueEvents(QueueBase):
         """The partition's transition log from `start` (an event id, inclusive)."""
         codec.check_partition_name(partition)
         with unavailable_as_tq_error():
-            entries = self._redis.xrange(f"{self.key_prefix(partition)}events", start, "+", count)
+            entries = self._redis.xrange(self._events_key(partition), start, "+", count)
         return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
 
     def last_events(self, partition: str, count: int = 20) -> list[Event]:
         """The partition's last `count` transitions, oldest first."""
         codec.check_partition_name(partition)
         with unavailable_as_tq_error():
-            entries = self._redis.xrevrange(f"{self.key_prefix(partition)}events", count=count)
+            entries = self._redis.xrevrange(self._events_key(partition), count=count)
         return [event_from_entry(entry_id, fields) for entry_id, fields in reversed(entries)]
 
 

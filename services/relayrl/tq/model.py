@@ -156,3 +156,44 @@ class Event:
     # Delivery attempts so far (1 on first delivery).
     deliveries: int = 1
     extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A running group's claim: who holds it and until when (ms since the epoch)."""
+
+    uid: str
+    claim_id: str
+    claimer: str
+    deadline_ms: int
+
+
+@dataclass(frozen=True)
+class PendingEntry:
+    """An event delivered to a reader of a consumer group and not acknowledged yet."""
+
+    id: str
+    reader: str
+    deliveries: int
+
+
+@dataclass(frozen=True)
+class ConsumerGroupState:
+    """Where one consumer group of a partition's event stream stands."""
+
+    name: str
+    # The last event delivered to any of its readers ("0-0": none yet); later events are still
+    # to be delivered.
+    last_delivered_id: str
+    pending: list[PendingEntry]  # oldest first
+
+
+@dataclass(frozen=True)
+class PartitionSnapshot:
+    """Everything one partition holds, read in one pass for an audit of a stopped run (the
+    reads are not one atomic step: a running system may move on between them)."""
+
+    groups: dict[str, GroupWithTrajectories]  # by uid, in uid order
+    leases: list[Lease]  # earliest deadline first
+    events: list[Event]  # the whole event stream, oldest first
+    consumer_groups: dict[str, ConsumerGroupState]  # by name

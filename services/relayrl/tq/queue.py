@@ -10,7 +10,9 @@ relayrl.tq.model for the state machine). Puts are idempotent: retrying a put wit
 content is a no-op, reusing a key with other content is a ConflictError.
 
 Key layout (all keys share the hash tag "{<namespace>}", so a Redis Cluster keeps a namespace
-on one shard):
+on one shard). It is private to relayrl.tq: every other module reads the queue through its
+methods (tests/unit/tq/test_tq_key_ownership.py enforces it, and that every key the scripts use
+is listed here):
     {ns}:partitions                 set of partition names
     {ns}:p:<part>:g:<uid>           hash: one prompt group (status, step, claim, counters, data)
     {ns}:p:<part>:t:<uid>_<i>       hash: one trajectory's status, tags and reward
@@ -21,6 +23,7 @@ on one shard):
                                     (by consumed step for 'consumed')
     {ns}:p:<part>:leases            sorted set: running groups by lease deadline (ms)
     {ns}:p:<part>:launched          groups claimed and not returned to pending
+    {ns}:p:<part>:claimseq          counter: the number of the last claim id handed out
     {ns}:p:<part>:tcount            hash: trajectories by status
     {ns}:p:<part>:events            stream: every transition (consumer groups read it)
     {ns}:p:<part>:dead              stream: events given up on after too many deliveries
@@ -55,8 +58,10 @@ from relayrl.tq.model import (
     INFRA_REWARD_STATUSES,
     ClaimedGroup,
     ClaimResult,
+    Event,
     GroupStatus,
     NamedClaimResult,
+    PartitionSnapshot,
     PutResult,
     TrajectoryPut,
     TrajectoryStatus,
@@ -369,7 +374,7 @@ class TransferQueue(QueueReads, QueueEvents):
         # Payloads go in as plain SETs under staging keys, in one MULTI with the script that
         # renames them into place: bulk bytes never pass through Lua, and a client that dies
         # before EXEC leaves nothing behind.
-        stage = f"{self.key_prefix(partition)}stage:{uuid.uuid4().hex}:"
+        stage = f"{self._key_prefix(partition)}stage:{uuid.uuid4().hex}:"
         pipe = self._redis.pipeline(transaction=True)
         for i, e in enumerate(encoded):
             pipe.set(f"{stage}{i}", e.data)
@@ -412,6 +417,29 @@ class TransferQueue(QueueReads, QueueEvents):
         if not isinstance(after_step, int) or isinstance(after_step, bool) or after_step < -1:
             raise InvalidInputError(f"after_step must be an integer >= -1, got {after_step!r}")
         return [u.decode() for u in self._call(partition, "reset_consumption", after_step)]
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def audit_snapshot(self, partition: str, page: int = 10_000) -> PartitionSnapshot:
+        """Every group with its trajectories, the leases, the whole event stream and the
+        consumer groups of a partition: what an audit of a stopped run reads (`relayrl audit`).
+        Not one atomic step, and as big as the partition: not for a running system's hot path."""
+        uids = self.group_uids(partition)
+        groups = {g.group.uid: g for g in self.get_groups(partition, uids)} if uids else {}
+        events: list[Event] = []
+        start = "-"
+        while True:
+            batch = self.read_events(partition, start, page)
+            events += batch
+            if len(batch) < page:
+                break
+            start = "(" + batch[-1].id
+        return PartitionSnapshot(
+            groups=groups,
+            leases=self.leases(partition),
+            events=events,
+            consumer_groups=self.consumer_groups(partition, page),
+        )
 
     def check_durability(self) -> None:
         """Raises DurabilityError unless the server runs with AOF and the configured fsync policy.

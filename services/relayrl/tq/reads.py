@@ -7,9 +7,9 @@ from collections.abc import Iterable, Sequence
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import codec
-from relayrl.tq.base import QueueBase
+from relayrl.tq.base import QueueBase, unavailable_as_tq_error
 from relayrl.tq.errors import InvalidInputError, UnknownKeyError
-from relayrl.tq.model import Counts, GroupStatus, GroupWithTrajectories, TrajectoryStatus
+from relayrl.tq.model import Counts, GroupStatus, GroupWithTrajectories, Lease, TrajectoryStatus
 
 
 class QueueReads(QueueBase):
@@ -21,7 +21,7 @@ class QueueReads(QueueBase):
         """Reads groups (with tags) and, optionally, their written trajectories (in index order).
         Raises UnknownKeyError for a missing group."""
         codec.check_partition_name(partition)
-        prefix = self.key_prefix(partition)
+        prefix = self._key_prefix(partition)
         pipe = self._redis.pipeline(transaction=False)
         for uid in uids:
             pipe.hgetall(f"{prefix}g:{codec.check_uid(uid)}")
@@ -47,16 +47,38 @@ class QueueReads(QueueBase):
 
     def groups_exist(self, partition: str, uids: Sequence[str]) -> list[bool]:
         """Whether each uid names a group in the partition (in any status)."""
-        prefix = self.key_prefix(codec.check_partition_name(partition))
+        prefix = self._key_prefix(codec.check_partition_name(partition))
         pipe = self._redis.pipeline(transaction=False)
         for uid in uids:
             pipe.exists(f"{prefix}g:{codec.check_uid(uid)}")
         return [bool(n) for n in self._pipeline_execute(pipe)]
 
+    def group_uids(self, partition: str, status: GroupStatus | None = None) -> list[str]:
+        """The uids of every group of the partition (a SCAN: meant for audits and tests, not for
+        a hot path), or of those in `status` (its index), sorted."""
+        codec.check_partition_name(partition)
+        prefix = self._key_prefix(partition)
+        with unavailable_as_tq_error():
+            if status is not None:
+                members = self._redis.zrange(f"{prefix}gs:{GroupStatus(status).value}", 0, -1)
+                return sorted(uid.decode() for uid in members)
+            found = self._redis.scan_iter(f"{prefix}g:*", count=1000)
+            return sorted(key.decode()[len(prefix) + 2 :] for key in found)
+
+    def leases(self, partition: str) -> list[Lease]:
+        """The claims of the running groups, earliest deadline first (one atomic read)."""
+        codec.check_partition_name(partition)
+        prefix = self._key_prefix(partition)
+        raw = self._run(partition, "leases", [f"{prefix}leases"], [prefix])
+        return [
+            Lease(uid.decode(), claim.decode(), claimer.decode(), int(float(deadline)))
+            for uid, deadline, claim, claimer in zip(*[iter(raw)] * 4, strict=True)
+        ]
+
     def get_trajectories(self, partition: str, keys: Sequence[str]) -> list[common_pb2.Trajectory]:
         """Reads trajectories by key; raises UnknownKeyError for a missing one."""
         codec.check_partition_name(partition)
-        prefix = self.key_prefix(partition)
+        prefix = self._key_prefix(partition)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             codec.split_trajectory_key(key)
@@ -73,7 +95,7 @@ class QueueReads(QueueBase):
     def counts(self, partition: str) -> Counts:
         """Groups by status, trajectories by status, and the launched counter (for metrics)."""
         codec.check_partition_name(partition)
-        prefix = self.key_prefix(partition)
+        prefix = self._key_prefix(partition)
         pipe = self._redis.pipeline(transaction=False)
         for status in GroupStatus:
             pipe.zcard(f"{prefix}gs:{status.value}")
@@ -102,7 +124,7 @@ class QueueReads(QueueBase):
         statuses = list(statuses)
         if GroupStatus.CONSUMED in statuses:
             raise InvalidInputError("consumed groups have no staleness at `step`; leave them out")
-        prefix = self.key_prefix(partition)
+        prefix = self._key_prefix(partition)
         pipe = self._redis.pipeline(transaction=False)
         for status in statuses:
             pipe.zrange(f"{prefix}gs:{status.value}", 0, -1, withscores=True)
@@ -118,7 +140,7 @@ class QueueReads(QueueBase):
         trainer's staleness gate: staleness > t at step s <=> prompt_step <= s - t)."""
         codec.check_partition_name(partition)
         statuses = list(statuses)
-        prefix = self.key_prefix(partition)
+        prefix = self._key_prefix(partition)
         pipe = self._redis.pipeline(transaction=False)
         for status in statuses:
             pipe.zrangebyscore(f"{prefix}gs:{GroupStatus(status).value}", "-inf", max_prompt_step)

@@ -32,7 +32,7 @@ PARTITION_SCRIPTS = (
     "reset_consumption",
 )
 # Scripts with their own calling convention (no prelude).
-STANDALONE_SCRIPTS = ("reclaim", "redrive")
+STANDALONE_SCRIPTS = ("reclaim", "redrive", "leases")
 
 
 def _source(name: str) -> str:

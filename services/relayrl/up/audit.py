@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import TransferQueue
+from relayrl.tq import PartitionSnapshot, TransferQueue
 from relayrl.tq.model import GroupStatus
 from relayrl.tq.server import RedisServer
 
@@ -119,15 +119,14 @@ def audit_run(run_dir: Path) -> AuditReport:
     try:
         tq = TransferQueue(server.client(), namespace=NAMESPACE, durability="off")
         try:
-            groups = _all_groups(tq)
-            alive_events = _undelivered_or_pending(tq, consumer_group)
-            leases = {
-                u.decode() for u in tq.redis.zrange(f"{tq.key_prefix(PARTITION)}leases", 0, -1)
-            }
+            snapshot = tq.audit_snapshot(PARTITION)
         finally:
             tq.close()
     finally:
         server.stop()
+    groups = snapshot.groups
+    alive_events = _undelivered_or_pending(snapshot, consumer_group)
+    leases = {lease.uid for lease in snapshot.leases}
     for uid, group in groups.items():
         status = common_pb2.GroupStatus.Name(group.group.tags.status).removeprefix("GROUP_STATUS_")
         report.statuses[status.lower()] += 1
@@ -191,30 +190,16 @@ def _reward_consumer_group(run_dir: Path) -> str:
     )
 
 
-def _all_groups(tq: TransferQueue) -> dict[str, Any]:
-    prefix = tq.key_prefix(PARTITION)
-    uids = sorted(key.decode()[len(prefix) + 2 :] for key in tq.redis.scan_iter(f"{prefix}g:*"))
-    return {g.group.uid: g for g in tq.get_groups(PARTITION, uids)} if uids else {}
-
-
-def _undelivered_or_pending(tq: TransferQueue, group: str) -> set[str]:
+def _undelivered_or_pending(snapshot: PartitionSnapshot, group: str) -> set[str]:
     """Keys whose trajectory-finished event the reward group will still deliver (pending, or
     not delivered yet)."""
-    stream = f"{tq.key_prefix(PARTITION)}events"
-    info = (
-        {g["name"].decode(): g for g in tq.redis.xinfo_groups(stream)}
-        if tq.redis.exists(stream)
-        else {}
-    )
-    if group not in info:
-        return {e.key for e in tq.read_events(PARTITION, "-", 1_000_000)}  # it reads from 0
-    last = info[group]["last-delivered-id"].decode()
-    pending = {
-        p["message_id"].decode()
-        for p in tq.redis.xpending_range(stream, group, "-", "+", 1_000_000)
-    }
+    state = snapshot.consumer_groups.get(group)
+    if state is None:
+        return {e.key for e in snapshot.events}  # it reads from 0
+    last = state.last_delivered_id
+    pending = {p.id for p in state.pending}
     alive = set()
-    for event in tq.read_events(PARTITION, "-", 1_000_000):
+    for event in snapshot.events:
         finished = event.kind == "trajectory" and event.to_status == "finished"
         if finished and (event.id in pending or _id_after(event.id, last)):
             alive.add(event.key)

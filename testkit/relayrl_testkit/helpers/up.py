@@ -329,22 +329,15 @@ def audit_queue(run_dir: Path) -> Audit:
     server.start()
     try:
         tq = TransferQueue(server.client(), namespace=NAMESPACE)
-        prefix = tq.key_prefix(PARTITION)
-        uids = sorted(key.decode()[len(prefix) + 2 :] for key in tq.redis.scan_iter(f"{prefix}g:*"))
-        audit = Audit()
-        for group in tq.get_groups(PARTITION, uids):
-            audit.groups[group.group.uid] = group
-            audit.statuses[common_pb2.GroupStatus.Name(group.group.tags.status)] += 1
-        start = "-"
-        while True:
-            events = tq.read_events(PARTITION, start, 10_000)
-            for event in events:
-                if event.kind == "group" and event.to_status == "consumed":
-                    audit.consume_events[event.key] += 1
-            if len(events) < 10_000:
-                break
-            start = "(" + events[-1].id
+        snapshot = tq.audit_snapshot(PARTITION)
         tq.close()
+        audit = Audit()
+        for uid, group in snapshot.groups.items():
+            audit.groups[uid] = group
+            audit.statuses[common_pb2.GroupStatus.Name(group.group.tags.status)] += 1
+        for event in snapshot.events:
+            if event.kind == "group" and event.to_status == "consumed":
+                audit.consume_events[event.key] += 1
         return audit
     finally:
         server.stop()

@@ -21,6 +21,7 @@ from relayrl.tq import (
     UnknownPartitionError,
 )
 from relayrl.tq.server import RedisServer
+from relayrl.tq.testing import key_prefix_for_tests
 
 P = "train"
 
@@ -237,7 +238,7 @@ def test_unknown_keys(tq: TransferQueue) -> None:
 
 def test_corrupt_record_is_reported_with_its_key(tq: TransferQueue) -> None:
     tq.put_groups(P, [group()])
-    tq.redis.hset(tq.key_prefix(P) + "g:g", "data", b"\xff\xfe garbage")
+    tq.redis.hset(key_prefix_for_tests(tq.namespace, P) + "g:g", "data", b"\xff\xfe garbage")
     with pytest.raises(CorruptRecordError, match="train/g holds an undecodable record"):
         tq.get_groups(P, ["g"])
 

@@ -35,10 +35,12 @@ from relayrl.tq import (
 )
 from relayrl.tq.queue import DurabilityError, TQUnavailableError
 from relayrl.tq.server import RedisServer
+from relayrl.tq.testing import key_prefix_for_tests
 
 P = "train"
 NS = "relayrl"
-PREFIX = f"{{{NS}}}:p:{P}:"
+# partition_problems checks the raw keys against each other on purpose; the rest reads the queue
+PREFIX = key_prefix_for_tests(NS, P)
 FINISHED_TRAJECTORIES = {("trajectory", "finished")}
 # The everysec window: 1 s, 2 s worst case when a background fsync stalls; plus margin.
 EVERYSEC_WINDOW_S = 2.5
@@ -278,17 +280,16 @@ def workload() -> list[tuple[str, Callable[[TransferQueue, Ledger], object]]]:
 # -- checks ------------------------------------------------------------------------------------
 
 
-def stored_events(client: redis.Redis) -> list[tuple[str, Transition]]:
-    out = []
-    for entry_id, fields in client.xrange(f"{PREFIX}events"):
-        f = {k.decode(): v.decode() for k, v in fields.items()}
-        out.append((entry_id.decode(), (f["kind"], f["key"], f["from"], f["to"])))
-    return out
+def stored_events(tq: TransferQueue) -> list[tuple[str, Transition]]:
+    return [
+        (e.id, (e.kind, e.key, e.from_status, e.to_status))
+        for e in tq.read_events(P, "-", 1_000_000)
+    ]
 
 
 def assert_everything_acknowledged_is_there(tq: TransferQueue, ledger: Ledger) -> None:
     client = tq.redis
-    events = stored_events(client)
+    events = stored_events(tq)
     assert [t for _, t in events] == ledger.events
 
     groups = tq.get_groups(P, list(ledger.groups), with_trajectories=False)
@@ -298,8 +299,9 @@ def assert_everything_acknowledged_is_there(tq: TransferQueue, ledger: Ledger) -
     for g in groups:
         if g.group.uid in ledger.consumed_step:
             assert g.group.tags.consumed_step == ledger.consumed_step[g.group.uid]
+    claims = {lease.uid: lease.claim_id for lease in tq.leases(P)}
     for uid, claim_id in ledger.claims.items():
-        assert client.hget(f"{PREFIX}g:{uid}", "claim") == claim_id.encode()
+        assert claims[uid] == claim_id
 
     keys = list(ledger.trajectories)
     for key, stored in zip(keys, tq.get_trajectories(P, keys), strict=True):
@@ -320,20 +322,18 @@ def assert_everything_acknowledged_is_there(tq: TransferQueue, ledger: Ledger) -
     assert counts.num_launched == sum(s != "pending" for s in ledger.groups.values())
 
     if ledger.num_delivered:
-        [info] = client.xinfo_groups(f"{PREFIX}events")
-        assert info["name"] == b"reward"
-        assert info["last-delivered-id"].decode() == events[ledger.num_delivered - 1][0]
-        pending = client.xpending_range(f"{PREFIX}events", "reward", "-", "+", 100_000)
-        assert {p["message_id"].decode(): p["times_delivered"] for p in pending} == {
-            i: 1 for i in ledger.pending
-        }
-        assert {p["consumer"] for p in pending} <= {b"scorer"}
-    assert partition_problems(client) == []
+        [info] = tq.consumer_groups(P).values()
+        assert info.name == "reward"
+        assert info.last_delivered_id == events[ledger.num_delivered - 1][0]
+        assert {p.id: p.deliveries for p in info.pending} == {i: 1 for i in ledger.pending}
+        assert {p.reader for p in info.pending} <= {"scorer"}
+    assert partition_problems(tq) == []
 
 
-def partition_problems(client: redis.Redis) -> list[str]:
+def partition_problems(tq: TransferQueue) -> list[str]:
     """Every way the raw keys of partition P could disagree with each other (see the key layout
     in relayrl.tq.queue): a half-applied transition shows up here."""
+    client = tq.redis
     problems: list[str] = []
 
     def hashes(kind: str) -> dict[str, dict[bytes, bytes]]:
@@ -352,7 +352,7 @@ def partition_problems(client: redis.Redis) -> list[str]:
         for s in GroupStatus
     }
     leases = {m.decode() for m in client.zrange(f"{PREFIX}leases", 0, -1)}
-    events = [t for _, t in stored_events(client)]
+    events = [t for _, t in stored_events(tq)]
 
     last: dict[tuple[str, str], str] = {}
     claims_of: Counter[str] = Counter()
@@ -554,13 +554,13 @@ def restarted_after_a_kill_mid_stream(
 
 def test_always_keeps_every_acknowledged_transition_when_killed_mid_stream(tmp_path: Path) -> None:
     with restarted_after_a_kill_mid_stream(tmp_path, "always") as (tq, ledger):
-        events = [t for _, t in stored_events(tq.redis)]
+        events = [t for _, t in stored_events(tq)]
         # Every acknowledged transition is there; beyond it at most the call in flight.
         assert events[: len(ledger.events)] == ledger.events
         assert len(events) - len(ledger.events) <= 3
         for key, data in ledger.data.items():
             assert tq.redis.get(f"{PREFIX}td:{key}") == data
-        assert partition_problems(tq.redis) == []
+        assert partition_problems(tq) == []
 
 
 # -- appendfsync=everysec ----------------------------------------------------------------------
@@ -588,12 +588,12 @@ def test_everysec_keeps_everything_acknowledged_once_the_fsync_window_passed(
 
 
 def assert_consistent_prefix(tq: TransferQueue, ledger: Ledger) -> None:
-    events = [t for _, t in stored_events(tq.redis)]
+    events = [t for _, t in stored_events(tq)]
     if len(events) <= len(ledger.events):
         assert events == ledger.events[: len(events)]
     else:  # the call in flight at the kill was applied, unacknowledged
         assert events[: len(ledger.events)] == ledger.events
-    assert partition_problems(tq.redis) == []
+    assert partition_problems(tq) == []
 
 
 def test_everysec_kill_right_after_the_last_ack_leaves_a_consistent_prefix(tmp_path: Path) -> None:

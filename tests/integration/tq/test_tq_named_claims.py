@@ -24,11 +24,7 @@ def snapshot(client: redis.Redis) -> dict[bytes, bytes]:
 
 
 def events(tq: TransferQueue) -> list[tuple[str, str, str]]:
-    entries = tq.redis.xrange(f"{tq.key_prefix(P)}events")
-    return [
-        (fields[b"key"].decode(), fields[b"from"].decode(), fields[b"to"].decode())
-        for _, fields in entries
-    ]
+    return [(e.key, e.from_status, e.to_status) for e in tq.read_events(P, "-", 10_000)]
 
 
 def test_only_the_named_pending_groups_are_claimed(tq: TransferQueue) -> None:

@@ -203,9 +203,10 @@ def test_two_claimer_processes_never_claim_the_same_group(
     assert counts.groups[GroupStatus.PENDING] == 0
     assert counts.num_launched == 400
     # The store agrees with what each worker was told: one claim per group, by that worker.
+    claimers = {lease.uid: lease.claimer for lease in tq.leases(P)}
     for name, mine in (("gw-a", a), ("gw-b", b)):
         for uid in mine:
-            assert tq.redis.hget(f"{tq.key_prefix(P)}g:{uid}", "claimer") == name.encode()
+            assert claimers[uid] == name
     groups = tq.get_groups(P, uids, with_trajectories=False)
     assert {g.group.tags.num_claims for g in groups} == {1}
 

@@ -14,7 +14,7 @@ import pytest
 from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from relayrl.tq import TransferQueue
+from relayrl.tq import GroupStatus, TransferQueue
 from relayrl_testkit.helpers.trainer import (
     RolloutEmulator,
     steps_logged,
@@ -46,8 +46,9 @@ def processes_in_group(pgid: int, wait_s: float = 10.0) -> list[int]:
 
 
 def consumed_steps(tq: TransferQueue) -> dict[str, int]:
-    uids = tq.redis.zrange(f"{tq.key_prefix('train')}gs:consumed", 0, -1, withscores=True)
-    return {u.decode(): int(s) for u, s in uids}
+    uids = tq.group_uids("train", GroupStatus.CONSUMED)
+    groups = tq.get_groups("train", uids, with_trajectories=False)
+    return {g.group.uid: g.group.tags.consumed_step for g in groups}
 
 
 def test_trains_reports_status_and_stops_on_request(redis_server, tq, model_dir, tmp_path) -> None:
