@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from relayrl.engine.process import EngineProcess
+from relayrl.gateway.engine_session import StickySession
 from relayrl.gateway.replicas import ReplicaPool, ReplicaState
-from relayrl.gateway.rollout import StickySession
 from relayrl.inference.client import Generation, SamplingOptions, VllmEngineClient
 
 PROMPT = (1, 40, 41, 42, 2, 1)

@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-# the server first, as the service imports it: relayrl.gateway.rollout imported on its own meets
-# a circular import (agent_http.session needs it half-built)
-from relayrl.gateway import server  # noqa: F401
 from relayrl.gateway.rollout import WATCH_BLOCK_MS, _PendingWatcher
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue

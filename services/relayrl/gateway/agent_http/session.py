@@ -22,7 +22,7 @@ from relayrl.gateway.agent_http.domain import (
     TurnResult,
 )
 from relayrl.gateway.agents import ResponseBuilder
-from relayrl.gateway.rollout import StickySession, trajectory_of
+from relayrl.gateway.engine_session import StickySession, trajectory_of
 from relayrl.inference.client import Generation
 from relayrl.proto.common.v1 import common_pb2
 

@@ -48,8 +48,8 @@ from relayrl.gateway.agent_http.errors import DIVERGED, AgentError, ErrorKind
 from relayrl.gateway.agent_http.session import AgentSession, Answered
 from relayrl.gateway.agent_http.store import AgentGroupStore, TrajectoryRefused
 from relayrl.gateway.config import AgentHttpConfig
+from relayrl.gateway.engine_session import EngineTimeout, StickySession
 from relayrl.gateway.replicas import NoReplicaAvailable, ReplicaPool
-from relayrl.gateway.rollout import EngineTimeout, StickySession
 from relayrl.inference.client import (
     EngineError,
     EngineRejected,
