@@ -78,10 +78,9 @@ class ServiceProcess:
         return f"127.0.0.1:{self.port}"
 
     @property
-    def pid(self) -> int:
-        if self.process is None:
-            raise RuntimeError(f"{self.command} is not started")
-        return self.process.pid
+    def pid(self) -> int | None:
+        """None before `start()`."""
+        return None if self.process is None else self.process.pid
 
     def start(self, timeout_s: float = 60.0) -> ServiceProcess:
         """Start and wait until it serves (its ready file exists); raise with its log if it
@@ -123,15 +122,21 @@ class ServiceProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def exit_code(self) -> int | None:
+        """Once it exited; None while it runs and before `start()`."""
+        return None if self.process is None else self.process.poll()
+
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (a graceful stop) and wait; the exit code."""
-        os.kill(self.pid, signal.SIGTERM)
-        return self.process.wait(timeout_s)  # type: ignore[union-attr]
+        if self.process is None:
+            raise RuntimeError(f"{self.command} is not started")
+        os.kill(self.process.pid, signal.SIGTERM)
+        return self.process.wait(timeout_s)
 
     def kill(self) -> None:
         """SIGKILL to the process and its group, as a crash of the machine would; idempotent."""
         if self.alive():
-            os.kill(self.pid, signal.SIGKILL)
+            os.kill(self.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
             self.process.wait(30)  # type: ignore[union-attr]
         self._kill_group()
 

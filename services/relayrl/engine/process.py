@@ -55,16 +55,19 @@ class EngineProcess:
         return f"http://{self.config.host}:{self.config.port}"
 
     @property
-    def pid(self) -> int:
-        if self.process is None:
-            raise RuntimeError("the engine is not started")
-        return self.process.pid
+    def pid(self) -> int | None:
+        """None before `spawn()`."""
+        return None if self.process is None else self.process.pid
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def exit_code(self) -> int | None:
+        """Once it exited; None while it runs and before `spawn()`."""
+        return None if self.process is None else self.process.poll()
 
     def start(self, timeout_s: float = 300.0) -> EngineProcess:
         """Starts the engine and waits until it serves (`spawn`, then `wait_ready`)."""
@@ -119,7 +122,7 @@ class EngineProcess:
         if self.process is None:
             return
         if self.alive():
-            os.kill(self.pid, signal.SIGTERM)
+            os.kill(self.process.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout_s)
         self.kill()
@@ -127,8 +130,10 @@ class EngineProcess:
     def _signal_group(self, signum: signal.Signals) -> None:
         # The group id is the server's PID (start_new_session); it outlives the server while
         # any helper of it runs.
+        if self.process is None:
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signum)
+            os.killpg(self.process.pid, signum)
 
     def __enter__(self) -> EngineProcess:
         return self.start()

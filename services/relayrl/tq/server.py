@@ -77,7 +77,15 @@ class RedisServer:
 
     @property
     def pid(self) -> int | None:
+        """None before `start()` and after `stop()` or `kill()`."""
         return self._process.pid if self._process else None
+
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def exit_code(self) -> int | None:
+        """Once it exited by itself; None while it runs, before `start()` and after `stop()`."""
+        return None if self._process is None else self._process.poll()
 
     @property
     def log_path(self) -> Path:
