@@ -22,20 +22,21 @@ The trainer's exit 0 means the run is complete; it is not restarted.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from relayrl.core.atomic import atomic_write_bytes, atomic_write_text
 from relayrl.core.service_process import ServiceProcess
+from relayrl.core.supervised import Supervised
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.stack import SERVICES, StackConfig
@@ -96,172 +97,37 @@ def start_failure_reason(exc: BaseException) -> str:
     return first.rstrip(":")
 
 
-class Child(abc.ABC):
-    """One supervised process."""
+@dataclass(frozen=True)
+class ChildSpec:
+    """How the supervisor treats one child, beyond what its process class does (the
+    `Supervised` it is): given when the stack builds it."""
 
-    name: str
-    restarts: int = 0
+    stop_timeout_s: float = 20.0
+    """How long its graceful stop may take before SIGKILL."""
+    max_start_timeout_s: float | None = None
+    """A cap on `supervision.start_timeout_s` for it."""
+    done_exit_codes: frozenset[int] = frozenset()
+    """Exit codes that end it for good: it is not restarted, and the run loop notices."""
+    routes_to_engines: bool = False
+    """The engines booting are waited for before it starts, and it is started once it routes
+    to every one of them (weight-sync confirmed their weights): the gateway."""
+    shown: Mapping[str, str] = field(default_factory=dict)
+    """Where it serves, as stack.json shows it beside its pid and restarts."""
 
-    @abc.abstractmethod
-    def start(self, timeout_s: float) -> None: ...
-
-    @abc.abstractmethod
-    def alive(self) -> bool: ...
-
-    @abc.abstractmethod
-    def exit_code(self) -> int | None: ...
-
-    @abc.abstractmethod
-    def stop(self) -> None:
-        """Graceful stop, then SIGKILL to whatever is left of its process group."""
-
-    @abc.abstractmethod
-    def kill(self) -> None:
-        """SIGKILL (a crash), for fault tests."""
-
-    @property
-    @abc.abstractmethod
-    def pid(self) -> int | None: ...
-
-    @property
-    @abc.abstractmethod
-    def log_path(self) -> Path: ...
-
-    def describe(self) -> dict[str, Any]:
-        return {"pid": self.pid, "restarts": self.restarts}
+    def start_timeout(self, timeout_s: float) -> float:
+        cap = self.max_start_timeout_s
+        return timeout_s if cap is None else min(timeout_s, cap)
 
 
-class RedisChild(Child):
-    def __init__(self, data_dir: Path, port: int, password: str | None = None) -> None:
-        self.name = "redis"
-        self.server = RedisServer(data_dir, port=port, password=password)
-
-    def start(self, timeout_s: float) -> None:
-        self.server.start(timeout_s=min(timeout_s, 120.0))
-
-    def alive(self) -> bool:
-        process = self.server._process
-        return process is not None and process.poll() is None
-
-    def exit_code(self) -> int | None:
-        process = self.server._process
-        return None if process is None else process.poll()
-
-    def stop(self) -> None:
-        self.server.stop()
-
-    def kill(self) -> None:
-        self.server.kill()
-
-    @property
-    def pid(self) -> int | None:
-        return self.server.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.server.log_path
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "url": self.server.url}
-
-
-class ServiceChild(Child):
-    def __init__(
-        self,
-        name: str,
-        command: str,
-        config: dict[str, Any],
-        workdir: Path,
-        log: Path,
-        env: dict[str, str] | None = None,
-    ):
-        self.name = name
-        self.process = ServiceProcess(command, config, workdir, log_path=log, env=env)
-        self.config = config
-
-    def start(self, timeout_s: float) -> None:
-        self.process.start(timeout_s=timeout_s)
-
-    def alive(self) -> bool:
-        return self.process.alive()
-
-    def exit_code(self) -> int | None:
-        p = self.process.process
-        return None if p is None else p.poll()
-
-    def stop(self) -> None:
-        # The trainer finishes its step and checkpoints on SIGTERM; give it the time.
-        self.process.stop(timeout_s=120.0 if self.name == "trainer" else 20.0)
-
-    def kill(self) -> None:
-        self.process.kill()
-
-    @property
-    def pid(self) -> int | None:
-        p = self.process.process
-        return None if p is None else p.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.process.log_path
-
-    def describe(self) -> dict[str, Any]:
-        grpc, metrics = self.config["grpc"], self.config["metrics"]
-        return {
-            **super().describe(),
-            "target": f"{grpc['host']}:{grpc['port']}",
-            "metrics": f"http://{metrics['host']}:{metrics['port']}/metrics",
-        }
-
-
-class EngineChild(Child):
-    def __init__(self, name: str, config: EngineConfig, workdir: Path, log: Path) -> None:
-        self.name = name
-        self.config, self.workdir, self.log = config, workdir, log
-        self.process: EngineProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.port}"
-
-    def start(self, timeout_s: float) -> None:
-        self.spawn()
-        self.wait_ready(timeout_s)
-
-    def spawn(self) -> None:
-        """Starts the engine without waiting for it to serve (`wait_ready` does)."""
-        self.process = EngineProcess(self.config, self.workdir, log_path=self.log).spawn()
-
-    def wait_ready(self, timeout_s: float) -> None:
-        assert self.process is not None, "spawn() first"
-        self.process.wait_ready(timeout_s=timeout_s)
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
-
-    def exit_code(self) -> int | None:
-        if self.process is None or self.process.process is None:
-            return None
-        return self.process.process.poll()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop(timeout_s=20.0)
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.process is None or self.process.process is None else self.process.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.log
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "url": self.url}
+REDIS = ChildSpec(stop_timeout_s=10.0, max_start_timeout_s=120.0)
+ENGINE = ChildSpec()
+SERVICE = ChildSpec()
+SERVICE_SPECS = {
+    # The trainer finishes its step and checkpoints on SIGTERM: it gets the time. Its exit 0
+    # means the run is complete, EXIT_NO_PROGRESS that a stop rule fired.
+    "trainer": ChildSpec(stop_timeout_s=120.0, done_exit_codes=frozenset({0, EXIT_NO_PROGRESS})),
+    "gateway": ChildSpec(routes_to_engines=True),
+}
 
 
 @dataclass
@@ -281,7 +147,9 @@ class Stack:
     model_dir: Path
     files: RunFiles
     ports: LocalPorts = field(default_factory=LocalPorts.choose)
-    children: dict[str, Child] = field(default_factory=dict)
+    children: dict[str, Supervised] = field(default_factory=dict)
+    specs: dict[str, ChildSpec] = field(default_factory=dict)
+    restarts: Counter[str] = field(default_factory=Counter)
     events: list[Event] = field(default_factory=list)
     on_event: Callable[[Event], None] = lambda event: None
     failure: str = ""
@@ -347,16 +215,39 @@ class Stack:
         logs = d / "logs"
         if self.config.security.authenticate:
             ensure_run_secrets(d)
-        self.children["redis"] = RedisChild(d / "redis", self.ports.redis, redis_password(d))
+        redis = RedisServer(d / "redis", port=self.ports.redis, password=redis_password(d))
+        self._add("redis", redis, replace(REDIS, shown={"url": redis.url}))
         configs = self.service_configs()
         for name in SERVICES:
-            self.children[name] = ServiceChild(
-                name, f"relayrl-{name}", configs[name], d / "services" / name,
-                logs / f"{name}.log", env=self._env(name),
+            config = configs[name]
+            service = ServiceProcess(
+                f"relayrl-{name}", config, d / "services" / name,
+                log_path=logs / f"{name}.log", env=self._env(name),
             )  # fmt: skip
-        self.children["engine-0"] = EngineChild(
-            "engine-0", self.engine_config(), d / "services" / "engine-0", logs / "engine-0.log"
+            grpc, metrics = config["grpc"], config["metrics"]
+            shown = {
+                "target": f"{grpc['host']}:{grpc['port']}",
+                "metrics": f"http://{metrics['host']}:{metrics['port']}/metrics",
+            }
+            self._add(name, service, replace(SERVICE_SPECS.get(name, SERVICE), shown=shown))
+        engine = EngineProcess(
+            self.engine_config(), d / "services" / "engine-0", log_path=logs / "engine-0.log"
         )
+        self._add("engine-0", engine, replace(ENGINE, shown={"url": engine.url}))
+
+    def _add(self, name: str, child: Supervised, spec: ChildSpec) -> None:
+        self.children[name], self.specs[name] = child, spec
+
+    def engines(self) -> dict[str, EngineProcess]:
+        return {n: c for n, c in self.children.items() if isinstance(c, EngineProcess)}
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """`name` as stack.json shows it."""
+        return {
+            "pid": self.children[name].pid,
+            "restarts": self.restarts[name],
+            **self.specs[name].shown,
+        }
 
     def start(self, names: tuple[str, ...] = ORDER, say: Callable[[str], None] = print) -> None:
         """Starts `names` in order, each ready before the next, and writes stack.json; a child
@@ -368,19 +259,19 @@ class Stack:
         timeout_s = self.config.supervision.start_timeout_s
         booting: dict[str, float] = {}  # engine -> when it was spawned
         for name in names:
-            child = self.children[name]
-            if isinstance(child, EngineChild):
+            child, spec = self.children[name], self.specs[name]
+            if isinstance(child, EngineProcess):
                 with self._starting(name), self._pinned(name):
                     child.spawn()
                 booting[name] = time.monotonic()
                 continue
-            if name == "gateway":
+            if spec.routes_to_engines:
                 self._wait_for_engines(booting, timeout_s, say)
             started = time.monotonic()
             with self._starting(name), self._pinned(name):
-                child.start(timeout_s)
+                child.start(timeout_s=spec.start_timeout(timeout_s))
             self._started(name, started, say)
-            if name == "gateway":  # the engines serve once weight-sync vouches for them
+            if spec.routes_to_engines:  # the engines serve once weight-sync vouches for them
                 self.wait_for_routing(timeout_s)
         self._wait_for_engines(booting, timeout_s, say)
         self.write_state()
@@ -391,9 +282,9 @@ class Stack:
         while booting:
             name, spawned = booting.popitem()
             child = self.children[name]
-            assert isinstance(child, EngineChild)
+            assert isinstance(child, EngineProcess)
             with self._starting(name):
-                child.wait_ready(max(1.0, timeout_s - (time.monotonic() - spawned)))
+                child.wait_ready(timeout_s=max(1.0, timeout_s - (time.monotonic() - spawned)))
             self._started(name, spawned, say)
 
     @contextlib.contextmanager
@@ -439,7 +330,7 @@ class Stack:
         from relayrl.core.grpc_client import sync_channel
         from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
-        engines = [n for n, c in self.children.items() if isinstance(c, EngineChild)]
+        engines = list(self.engines())
         deadline = time.monotonic() + timeout_s
         states: dict[str, int] = {}
         with sync_channel(self.target("gateway"), operator_identity(self.run_dir), []) as channel:
@@ -465,7 +356,7 @@ class Stack:
             "namespace": NAMESPACE,
             "partition": PARTITION,
             "engines": [self.engine_url],
-            "children": {name: child.describe() for name, child in self.children.items()},
+            "children": {name: self.describe(name) for name in self.children},
             "written": time.time(),
         }
         atomic_write_text(self.run_dir / "stack.json", json.dumps(state, indent=2))
@@ -489,15 +380,15 @@ class Stack:
                 child = self.children.get(name)
                 if child is None or child.pid is None or child.alive():
                     continue
-                code = child.exit_code()
-                if name == "trainer" and code in (0, EXIT_NO_PROGRESS):
+                code, spec = child.exit_code(), self.specs[name]
+                if code in spec.done_exit_codes:
                     continue  # finished, or a stop rule fired: the run loop notices
                 if self._stopping.is_set():
                     return
                 self._record(Event(time.time(), name, "exited", f"code {code}"))
-                if child.restarts >= self.config.supervision.max_restarts:
+                if self.restarts[name] >= self.config.supervision.max_restarts:
                     self.failure = (
-                        f"{name} exited (code {code}) {child.restarts + 1} times; giving up "
+                        f"{name} exited (code {code}) {self.restarts[name] + 1} times; giving up "
                         f"(see {self.run_dir / 'logs' / (name + '.log')})"
                     )
                     self._record(Event(time.time(), name, "gave_up", self.failure))
@@ -507,10 +398,12 @@ class Stack:
                 backoff[name] = min(delay * 2, 30.0)
                 if self._stopping.wait(delay):
                     return
-                child.restarts += 1
+                self.restarts[name] += 1
                 try:
                     with self._pinned(name):
-                        child.start(self.config.supervision.start_timeout_s)
+                        child.start(
+                            timeout_s=spec.start_timeout(self.config.supervision.start_timeout_s)
+                        )
                 except Exception as exc:  # it counts as another exit on the next round
                     self._record(Event(time.time(), name, "restart_failed", str(exc)[:500]))
                     continue
@@ -533,7 +426,7 @@ class Stack:
                 continue
             with contextlib.suppress(Exception):
                 was_alive = child.alive()
-                child.stop()
+                child.stop(timeout_s=self.specs[name].stop_timeout_s)
                 if was_alive:
                     self._record(Event(time.time(), name, "stopped"))
         self.write_state()
@@ -548,11 +441,7 @@ class Stack:
 
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         urls = {name: self.metrics_url(name) for name in SERVICES}
-        urls |= {
-            name: f"{child.url}/metrics"
-            for name, child in self.children.items()
-            if isinstance(child, EngineChild)
-        }
+        urls |= {name: f"{engine.url}/metrics" for name, engine in self.engines().items()}
         if names is not None:
             urls = {name: url for name, url in urls.items() if name in names}
         out_dir.mkdir(parents=True, exist_ok=True)
