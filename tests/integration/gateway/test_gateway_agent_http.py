@@ -237,7 +237,9 @@ def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
     tq = TransferQueue(redis_server.client())
     with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
         gw = Gateway(process)
-        session_id = asyncio.run(gw.open(data_source="env", labels={"task": "add"}))
+        # labels of an environment reward's old names are only labels: the close reports it
+        posing = {"env_reward": "1.0", "env_reward_status": "ok"}
+        session_id = asyncio.run(gw.open(data_source="env", labels={"task": "add", **posing}))
         first, second, third = asyncio.run(agent(gw, session_id))
         env_reward = {"status": "fail", "score": 0.25, "message": "2 of 8 checks"}
         status, end = asyncio.run(
@@ -273,13 +275,12 @@ def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
     assert trajectory.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
     assert not trajectory.tags.is_infra and not trajectory.error
     assert trajectory.labels["agent_session"] == session_id and trajectory.labels["task"] == "add"
-    # the environment's reward, for the reward-service's `env` manager
-    reported = {k: v for k, v in trajectory.labels.items() if k.startswith("env_reward")}
-    assert reported == {
-        "env_reward": "0.25",
-        "env_reward_status": "fail",
-        "env_reward_message": "2 of 8 checks",
-    }
+    # the environment's reward as the close reported it, for the reward-service's `env`
+    # manager; the opener's labels stay labels
+    assert trajectory.env_reward == common_pb2.EnvReward(
+        status=common_pb2.ENV_REWARD_STATUS_FAIL, score=0.25, message="2 of 8 checks"
+    )
+    assert {k: trajectory.labels[k] for k in posing} == posing
 
     prompt = list(trajectory.prompt_token_ids)
     response = list(trajectory.response_token_ids)
@@ -589,10 +590,8 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
         # the trainer's partition is not open to callers (agent_http.open_partitions)
         forbidden = await error("/sessions", {"partition": "train"}, 403)
         assert forbidden["type"] == "permission_error" and "open_partitions" in forbidden["message"]
-        # a caller never sets the ground truth it is scored against, nor poses a reward
+        # a caller never sets the ground truth it is scored against, nor a malformed reward
         assert (await error("/sessions", {"ground_truth": "4"}, 400))["param"] == "ground_truth"
-        posing = await error("/sessions", {"labels": {"env_reward": "1"}}, 400)
-        assert "reserved" in posing["message"]
         close = f"/sessions/{session_id}/close"
         for bad in (
             {"env_reward": 1.0},
@@ -1156,7 +1155,7 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         keys = [ends[name].trajectory_key for name in ("answered", "failed_last", "in_flight")]
         finished, failed, cut = tq.get_trajectories(AGENT_PARTITION, keys)
         assert not finished.tags.is_infra and not finished.error
-        assert not finished.labels.get("env_reward")  # a close without the environment's reward
+        assert not finished.HasField("env_reward")  # a close without the environment's reward
         assert failed.tags.is_infra and "connection refused" in failed.error
         # what was answered before the request in flight stays on record
         assert cut.tags.is_infra and list(cut.response_token_ids) == [70, 71, 72, engine._im_end]
