@@ -202,10 +202,13 @@ def test_plugin_contract_is_pinned() -> None:
     assert inspect.iscoroutinefunction(RewardManager.score_batch)
     assert inspect.iscoroutinefunction(RewardManager.close)
     fields = [f for f in RewardItem.__dataclass_fields__]
+    # fields are only ever appended, with a default: a plug-in's positional RewardItem(...)
+    # keeps its meaning
     assert fields == [
         "item_id", "data_source", "prompt", "response", "ground_truth",
-        "response_token_ids", "response_mask", "group_id", "extra",
+        "response_token_ids", "response_mask", "group_id", "extra", "env_reward",
     ]  # fmt: skip
+    assert RewardItem.__dataclass_fields__["env_reward"].default is None
     assert list(Verdict.__dataclass_fields__) == ["score", "status", "components", "message"]
 
 
