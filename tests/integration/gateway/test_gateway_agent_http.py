@@ -1169,6 +1169,57 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         tq.close()
 
 
+def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
+    redis_server: RedisServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The close's reward is the trajectory's `env_reward` field; labels of the reward's old
+    names, opened with, are carried as labels and never become a reward."""
+    from relayrl.core.env_reward import EnvReward
+
+    hello = [{"role": "user", "content": "hello"}]
+    posing = {"env_reward": "1.0", "env_reward_status": "ok", "task": "t"}
+
+    async def main(tq: TransferQueue) -> None:
+        pool = ReplicaPool(health_interval_s=0.1)
+        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        await pool.add("engine-0", engine)
+        sessions = AgentSessions(
+            tq=tq,
+            pool=pool,
+            tokenizer=tokenizer,
+            config=AgentHttpConfig(),
+            claimer="test",
+            lease_s=60,
+            request_timeout_s=10,
+        )
+        await sessions.start()
+        keys = []
+        for reward in (EnvReward("fail", 0.25, "2 of 8 checks"), None):
+            session_id = (
+                await sessions.open(SessionSpec(data_source="env", labels=posing))
+            ).session_id
+            engine.script = ["answer"]
+            await sessions.chat(session_id, ChatRequest(hello, None, TurnSampling(max_tokens=8)))
+            end = await sessions.close_session(session_id, env_reward=reward)
+            assert end.outcome == "finished", end
+            keys.append(end.trajectory_key)
+        reported, silent = tq.get_trajectories(AGENT_PARTITION, keys)
+        assert reported.env_reward == common_pb2.EnvReward(
+            status=common_pb2.ENV_REWARD_STATUS_FAIL, score=0.25, message="2 of 8 checks"
+        )
+        assert not silent.HasField("env_reward")
+        for trajectory in (reported, silent):
+            assert {k: trajectory.labels[k] for k in posing} == posing
+        await sessions.close()
+        await pool.close()
+
+    tq = TransferQueue(redis_server.client())
+    try:
+        asyncio.run(main(tq))
+    finally:
+        tq.close()
+
+
 def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sample(
     redis_server: RedisServer, tokenizer: PreTrainedTokenizerBase
 ) -> None:
