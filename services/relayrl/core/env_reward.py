@@ -1,9 +1,11 @@
 """An environment's reward: what an agent reports when it closes its session (a verifier's
-score, with a status), carried to the reward-service on the trajectory's labels.
+score, with a status), carried to the reward-service in the trajectory's own field
+(`Trajectory.env_reward`, then `RewardItem.env_reward`).
 
-The gateway writes it (`to_labels`) and the reward-service's `env` manager reads it
-(`from_labels`); no other scorer looks at it, so a reported reward counts only for the
-data_sources an operator routes to that manager (docs/rewards.md#environment-rewards).
+The gateway writes it (`to_proto`) from the close and from nothing else, so a label (a
+group's, an opener's) is only ever a label; the reward-service's `env` manager reads it
+(`from_proto` at its edges); no other scorer looks at it, so a reported reward counts only for
+the data_sources an operator routes to that manager (docs/rewards.md#environment-rewards).
 
 Status: `ok` (scored; `score` is the reward), `fail` (scored, the answer failed the
 environment's check; `score` is its low reward), `error` (the environment could not score:
@@ -12,18 +14,31 @@ never a reward, the trajectory's reward is INFRA_ERROR)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
+
+from relayrl.proto.common.v1 import common_pb2
 
 EnvRewardStatus = Literal["ok", "fail", "error"]
 STATUSES: tuple[EnvRewardStatus, ...] = ("ok", "fail", "error")
-SCORE_LABEL = "env_reward"
-STATUS_LABEL = "env_reward_status"
-MESSAGE_LABEL = "env_reward_message"
-LABELS = (SCORE_LABEL, STATUS_LABEL, MESSAGE_LABEL)
 MAX_MESSAGE_CHARS = 1000
 MAX_ABS_SCORE = 1e6
+# The proto's status numbers: the same in common.v1.EnvRewardStatus (a trajectory's, a reward
+# item's) and rollout.v1.EnvRewardStatus (a CloseSessionRequest's).
+_PROTO_STATUSES: dict[EnvRewardStatus, int] = {
+    "ok": common_pb2.ENV_REWARD_STATUS_OK,
+    "fail": common_pb2.ENV_REWARD_STATUS_FAIL,
+    "error": common_pb2.ENV_REWARD_STATUS_ERROR,
+}
+_STATUS_OF_PROTO = {number: status for status, number in _PROTO_STATUSES.items()}
+
+
+class EnvRewardMessage(Protocol):
+    """common.v1.EnvReward or rollout.v1.EnvReward: the same fields and numbers."""
+
+    status: int
+    score: float
+    message: str
 
 
 @dataclass(frozen=True)
@@ -40,22 +55,18 @@ class EnvReward:
         if len(self.message) > MAX_MESSAGE_CHARS:
             raise ValueError(f"message is longer than {MAX_MESSAGE_CHARS} characters")
 
-    def to_labels(self) -> dict[str, str]:
-        labels = {SCORE_LABEL: repr(float(self.score)), STATUS_LABEL: self.status}
-        if self.message:
-            labels[MESSAGE_LABEL] = self.message
-        return labels
+    def to_proto(self) -> common_pb2.EnvReward:
+        return common_pb2.EnvReward(
+            status=_PROTO_STATUSES[self.status], score=self.score, message=self.message
+        )
 
 
-def from_labels(labels: Mapping[str, str]) -> EnvReward | None:
-    """The reported reward on a trajectory's labels; None when none was reported. ValueError
-    when the labels are malformed (written by something other than the gateway)."""
-    if STATUS_LABEL not in labels:
-        if SCORE_LABEL in labels:
-            raise ValueError(f"label {SCORE_LABEL} without {STATUS_LABEL}")
-        return None
-    try:
-        score = float(labels.get(SCORE_LABEL, "0"))
-    except ValueError:
-        raise ValueError(f"label {SCORE_LABEL} is not a number: {labels[SCORE_LABEL]!r}") from None
-    return EnvReward(labels[STATUS_LABEL], score, labels.get(MESSAGE_LABEL, ""))  # type: ignore[arg-type]
+def from_proto(message: EnvRewardMessage) -> EnvReward:
+    """The reward a proto carries (a trajectory's, a reward item's or a close's). ValueError
+    naming what is wrong when it is malformed (set by something other than the gateway)."""
+    status = _STATUS_OF_PROTO.get(message.status)
+    if status is None:
+        known = message.status in common_pb2.EnvRewardStatus.values()
+        got = common_pb2.EnvRewardStatus.Name(message.status) if known else message.status
+        raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {got}")
+    return EnvReward(status, message.score, message.message)

@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Sequence
 
-from relayrl.core import env_reward
 from relayrl.gateway.agents import Rollout
 from relayrl.gateway.replicas import ReplicaPool
 from relayrl.inference.client import (
@@ -150,8 +149,7 @@ def trajectory_of(
         rollout_logprobs=rollout.rollout_logprobs,
         spans=rollout.spans,
         finish_reason=rollout.finish_reason,
-        # An environment reward is only ever what an agent reports at its close.
-        labels={k: v for k, v in group.labels.items() if k not in env_reward.LABELS},
+        labels=dict(group.labels),
         response_text=rollout.response_text,
     )
     trajectory.response_mask = bytes(rollout.response_mask)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from relayrl.core.env_reward import EnvReward
+from relayrl.core import env_reward
 from relayrl.core.interceptors import current_principal
 from relayrl.gateway.agent_http import (
     AgentError,
@@ -39,11 +39,6 @@ _SESSION_CODES = {
     ErrorKind.TOO_MANY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.ENGINE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-}
-_ENV_STATUSES = {
-    rollout_pb2.ENV_REWARD_STATUS_OK: "ok",
-    rollout_pb2.ENV_REWARD_STATUS_FAIL: "fail",
-    rollout_pb2.ENV_REWARD_STATUS_ERROR: "error",
 }
 _OUTCOMES = {
     "finished": rollout_pb2.SESSION_OUTCOME_FINISHED,
@@ -252,14 +247,9 @@ class RolloutGatewayServicer(rollout_pb2_grpc.RolloutGatewayServicer):
             raise  # not reached: abort raises
 
 
-def _env_reward(reported: rollout_pb2.EnvReward) -> EnvReward:
-    """The proto's environment reward; AgentError(INVALID) saying what is wrong."""
-    status = _ENV_STATUSES.get(reported.status)
-    if status is None:
-        raise AgentError(
-            ErrorKind.INVALID, "env_reward.status must be OK, FAIL or ERROR", param="env_reward"
-        )
+def _env_reward(reported: rollout_pb2.EnvReward) -> env_reward.EnvReward:
+    """The close's environment reward; AgentError(INVALID) saying what is wrong."""
     try:
-        return EnvReward(status, reported.score, reported.message)  # type: ignore[arg-type]
+        return env_reward.from_proto(reported)
     except ValueError as exc:
         raise AgentError(ErrorKind.INVALID, f"env_reward: {exc}", param="env_reward") from None

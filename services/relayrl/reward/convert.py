@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+from relayrl.core import env_reward
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.reward.items import RewardItem, RewardResult, Status
+from relayrl.reward.items import InvalidItem, RewardItem, RewardResult, Status
+
+
+def reported_reward(
+    item_id: str, message: common_pb2.RewardItem | common_pb2.Trajectory
+) -> env_reward.EnvReward | None:
+    """The environment reward a reward item or a trajectory carries in its `env_reward` field;
+    None when unset. InvalidItem when it is malformed: such an item is refused, never scored."""
+    if not message.HasField("env_reward"):
+        return None
+    try:
+        return env_reward.from_proto(message.env_reward)
+    except ValueError as exc:
+        raise InvalidItem(f"item {item_id!r}: malformed environment reward: {exc}") from None
 
 
 def item_from_proto(message: common_pb2.RewardItem) -> RewardItem:
+    """InvalidItem when its environment reward is malformed."""
     return RewardItem(
         item_id=message.item_id,
         data_source=message.data_source,
@@ -17,6 +32,7 @@ def item_from_proto(message: common_pb2.RewardItem) -> RewardItem:
         response_mask=bytes(message.response_mask),
         group_id=message.group_id,
         extra=dict(message.extra),
+        env_reward=reported_reward(message.item_id, message),
     )
 
 
@@ -31,6 +47,7 @@ def item_to_proto(item: RewardItem) -> common_pb2.RewardItem:
         response_mask=item.response_mask,
         group_id=item.group_id,
         extra=dict(item.extra),
+        env_reward=item.env_reward.to_proto() if item.env_reward is not None else None,
     )
 
 

@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from relayrl.core.env_reward import EnvReward
+
 GROUP_SIZE_KEY = "group_size"
 
 
@@ -48,6 +50,9 @@ class RewardItem:
     # Items sharing a group_id are normalised together by group-aware managers (gdpo).
     group_id: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
+    # The environment's own reward (a trajectory's, as its agent reported it at the close), for
+    # the `env` manager; None when none was reported. Never read from `extra`.
+    env_reward: EnvReward | None = None
 
     @property
     def num_response_tokens(self) -> int:

@@ -23,7 +23,14 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.reward.v1 import reward_pb2, reward_pb2_grpc
 from relayrl.reward.config import RewardConfig
 from relayrl.reward.convert import item_from_proto, result_to_proto
-from relayrl.reward.items import InfraError, RateLimited, RewardItem, RewardResult, Status
+from relayrl.reward.items import (
+    InfraError,
+    InvalidItem,
+    RateLimited,
+    RewardItem,
+    RewardResult,
+    Status,
+)
 from relayrl.reward.pipeline import (
     Closing,
     Handle,
@@ -96,6 +103,17 @@ async def _abort(context: grpc.aio.ServicerContext, abort: _Abort) -> None:
     await context.abort(abort.code, abort.message)
 
 
+def _items_from_proto(messages: list[common_pb2.RewardItem]) -> list[RewardItem]:
+    """InvalidRequest naming the first item whose environment reward is malformed."""
+    items = []
+    for index, message in enumerate(messages):
+        try:
+            items.append(item_from_proto(message))
+        except InvalidItem as exc:
+            raise InvalidRequest(f"items[{index}].env_reward: {exc}") from None
+    return items
+
+
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     """Loop time by which to answer: a margin before the caller's deadline."""
     remaining = context.time_remaining()
@@ -146,8 +164,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     async def _accept(
         self, items_pb: list[common_pb2.RewardItem], options: SubmitOptions, api: str
     ) -> list[RewardItem]:
-        items = [item_from_proto(item) for item in items_pb]
         with _request_errors():
+            items = _items_from_proto(items_pb)
             self.pipeline.validate(items, options)
             await self.tenants.charge(options.tenant, sum(item.approx_tokens() for item in items))
         self.pipeline.metrics.submissions.labels(tenant=options.tenant, api=api).inc()
@@ -298,8 +316,11 @@ class _Stream:
         if self._options is None:
             self._options = self._servicer.options_for(_DEFAULT_OPTIONS, self._tenant)
         options = self._options
-        item = item_from_proto(message)
         where = f"message {index}: item"
+        try:
+            item = item_from_proto(message)
+        except InvalidItem as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}.env_reward: {exc}") from None
         if item.item_id in self._seen:
             raise _Abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -20,10 +20,9 @@ import socket
 from collections import defaultdict
 from collections.abc import Sequence
 
-from relayrl.core import env_reward
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.reward.config import PIPELINE_TENANT, TQScorerConfig
-from relayrl.reward.convert import result_to_proto
+from relayrl.reward.convert import reported_reward, result_to_proto
 from relayrl.reward.items import InvalidItem, RewardItem, RewardResult
 from relayrl.reward.pipeline import InvalidRequest, RequestError, RewardPipeline, SubmitOptions
 from relayrl.tq import TransferQueue
@@ -44,13 +43,14 @@ def default_reader_name() -> str:
 
 def item_of(group: common_pb2.PromptGroup, trajectory: common_pb2.Trajectory) -> RewardItem:
     """The reward item of one trajectory: the response as the policy wrote it, the group's
-    data_source and ground truth, and the group as the normalisation group."""
+    data_source and ground truth, the group as the normalisation group, and the environment's
+    reward as the gateway wrote it on the trajectory at its close. InvalidItem when that reward
+    is malformed."""
     prompt = "\n".join(message.content for message in group.messages)
-    # An environment reward counts only as the gateway wrote it on the trajectory at close.
-    group_labels = {k: v for k, v in group.labels.items() if k not in env_reward.LABELS}
-    extra = {**group_labels, **trajectory.labels, "group_size": str(group.num_samples)}
+    extra = {**group.labels, **trajectory.labels, "group_size": str(group.num_samples)}
+    item_id = f"{trajectory.uid}_{trajectory.index}"
     return RewardItem(
-        item_id=f"{trajectory.uid}_{trajectory.index}",
+        item_id=item_id,
         data_source=group.data_source,
         prompt=prompt,
         response=trajectory.response_text,
@@ -59,6 +59,7 @@ def item_of(group: common_pb2.PromptGroup, trajectory: common_pb2.Trajectory) ->
         response_mask=bytes(trajectory.response_mask),
         group_id=group.uid,
         extra=extra,
+        env_reward=reported_reward(item_id, trajectory),
     )
 
 
@@ -157,8 +158,10 @@ class TQScorer:
             redelivered = sum(1 for event in events if event.deliveries > 1)
             if redelivered:
                 self._pipeline.metrics.tq_redeliveries.labels(partition=partition).inc(redelivered)
-            items = await asyncio.to_thread(self._items, partition, [e.key for e in events])
-            results = await self._score(items)
+            items, refused = await asyncio.to_thread(
+                self._items, partition, [e.key for e in events]
+            )
+            results = refused + await self._score(items)
             rewards = {r.item_id: result_to_proto(r) for r in results}
             if rewards:
                 await asyncio.to_thread(self._tq.score_trajectories, partition, rewards)
@@ -180,8 +183,11 @@ class TQScorer:
             async with self._room:
                 self._room.notify_all()
 
-    def _items(self, partition: str, keys: Sequence[str]) -> list[RewardItem]:
-        """Items for the finished (not yet scored) trajectories among `keys`."""
+    def _items(
+        self, partition: str, keys: Sequence[str]
+    ) -> tuple[list[RewardItem], list[RewardResult]]:
+        """Items for the finished (not yet scored) trajectories among `keys`, and the results
+        of those that can never be scored as written (stored as refused, not retried)."""
         trajectories = [
             t
             for t in self._read_trajectories(partition, list(dict.fromkeys(keys)))
@@ -192,7 +198,18 @@ class TQScorer:
             g.group.uid: g.group
             for g in self._tq.get_groups(partition, uids, with_trajectories=False)
         }
-        return [item_of(groups[t.uid], t) for t in trajectories]
+        items, refused = [], []
+        for trajectory in trajectories:
+            group = groups[trajectory.uid]
+            try:
+                items.append(item_of(group, trajectory))
+            except InvalidItem as exc:
+                item_id = f"{trajectory.uid}_{trajectory.index}"
+                refused.append(RewardResult.failed(item_id, exc, self._manager_of(group)))
+        return items, refused
+
+    def _manager_of(self, item: RewardItem | common_pb2.PromptGroup) -> str:
+        return self._config.managers_by_data_source.get(item.data_source, self._default_manager)
 
     def _read_trajectories(self, partition: str, keys: list[str]) -> list[common_pb2.Trajectory]:
         try:
@@ -210,10 +227,7 @@ class TQScorer:
     async def _score(self, items: list[RewardItem]) -> list[RewardResult]:
         by_manager: dict[str, list[RewardItem]] = defaultdict(list)
         for item in items:
-            manager = self._config.managers_by_data_source.get(
-                item.data_source, self._default_manager
-            )
-            by_manager[manager].append(item)
+            by_manager[self._manager_of(item)].append(item)
         results: list[RewardResult] = []
         for manager, batch in by_manager.items():
             results += await self._score_with(manager, batch)

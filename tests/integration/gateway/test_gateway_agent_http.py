@@ -237,7 +237,9 @@ def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
     tq = TransferQueue(redis_server.client())
     with gateway(redis_server, model_dir, [engine.url], tmp_path / "gw") as process:
         gw = Gateway(process)
-        session_id = asyncio.run(gw.open(data_source="env", labels={"task": "add"}))
+        # labels of an environment reward's old names are only labels: the close reports it
+        posing = {"env_reward": "1.0", "env_reward_status": "ok"}
+        session_id = asyncio.run(gw.open(data_source="env", labels={"task": "add", **posing}))
         first, second, third = asyncio.run(agent(gw, session_id))
         env_reward = {"status": "fail", "score": 0.25, "message": "2 of 8 checks"}
         status, end = asyncio.run(
@@ -273,13 +275,12 @@ def test_a_multi_turn_tool_conversation_is_recorded_token_for_token(
     assert trajectory.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
     assert not trajectory.tags.is_infra and not trajectory.error
     assert trajectory.labels["agent_session"] == session_id and trajectory.labels["task"] == "add"
-    # the environment's reward, for the reward-service's `env` manager
-    reported = {k: v for k, v in trajectory.labels.items() if k.startswith("env_reward")}
-    assert reported == {
-        "env_reward": "0.25",
-        "env_reward_status": "fail",
-        "env_reward_message": "2 of 8 checks",
-    }
+    # the environment's reward as the close reported it, for the reward-service's `env`
+    # manager; the opener's labels stay labels
+    assert trajectory.env_reward == common_pb2.EnvReward(
+        status=common_pb2.ENV_REWARD_STATUS_FAIL, score=0.25, message="2 of 8 checks"
+    )
+    assert {k: trajectory.labels[k] for k in posing} == posing
 
     prompt = list(trajectory.prompt_token_ids)
     response = list(trajectory.response_token_ids)
@@ -589,10 +590,8 @@ def test_malformed_requests_get_openai_style_errors_and_the_session_survives(
         # the trainer's partition is not open to callers (agent_http.open_partitions)
         forbidden = await error("/sessions", {"partition": "train"}, 403)
         assert forbidden["type"] == "permission_error" and "open_partitions" in forbidden["message"]
-        # a caller never sets the ground truth it is scored against, nor poses a reward
+        # a caller never sets the ground truth it is scored against, nor a malformed reward
         assert (await error("/sessions", {"ground_truth": "4"}, 400))["param"] == "ground_truth"
-        posing = await error("/sessions", {"labels": {"env_reward": "1"}}, 400)
-        assert "reserved" in posing["message"]
         close = f"/sessions/{session_id}/close"
         for bad in (
             {"env_reward": 1.0},
@@ -1156,10 +1155,61 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         keys = [ends[name].trajectory_key for name in ("answered", "failed_last", "in_flight")]
         finished, failed, cut = tq.get_trajectories(AGENT_PARTITION, keys)
         assert not finished.tags.is_infra and not finished.error
-        assert not finished.labels.get("env_reward")  # a close without the environment's reward
+        assert not finished.HasField("env_reward")  # a close without the environment's reward
         assert failed.tags.is_infra and "connection refused" in failed.error
         # what was answered before the request in flight stays on record
         assert cut.tags.is_infra and list(cut.response_token_ids) == [70, 71, 72, engine._im_end]
+        await sessions.close()
+        await pool.close()
+
+    tq = TransferQueue(redis_server.client())
+    try:
+        asyncio.run(main(tq))
+    finally:
+        tq.close()
+
+
+def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
+    redis_server: RedisServer, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The close's reward is the trajectory's `env_reward` field; labels of the reward's old
+    names, opened with, are carried as labels and never become a reward."""
+    from relayrl.core.env_reward import EnvReward
+
+    hello = [{"role": "user", "content": "hello"}]
+    posing = {"env_reward": "1.0", "env_reward_status": "ok", "task": "t"}
+
+    async def main(tq: TransferQueue) -> None:
+        pool = ReplicaPool(health_interval_s=0.1)
+        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        await pool.add("engine-0", engine)
+        sessions = AgentSessions(
+            tq=tq,
+            pool=pool,
+            tokenizer=tokenizer,
+            config=AgentHttpConfig(),
+            claimer="test",
+            lease_s=60,
+            request_timeout_s=10,
+        )
+        await sessions.start()
+        keys = []
+        for reward in (EnvReward("fail", 0.25, "2 of 8 checks"), None):
+            session_id = (
+                await sessions.open(SessionSpec(data_source="env", labels=posing))
+            ).session_id
+            engine.script = ["answer"]
+            await sessions.chat(session_id, ChatRequest(hello, None, TurnSampling(max_tokens=8)))
+            end = await sessions.close_session(session_id, env_reward=reward)
+            assert end.outcome == "finished", end
+            keys.append(end.trajectory_key)
+        reported, silent = tq.get_trajectories(AGENT_PARTITION, keys)
+        assert reported.env_reward == common_pb2.EnvReward(
+            status=common_pb2.ENV_REWARD_STATUS_FAIL, score=0.25, message="2 of 8 checks"
+        )
+        assert not silent.HasField("env_reward")
+        for trajectory in (reported, silent):
+            assert {k: trajectory.labels[k] for k in posing} == posing
         await sessions.close()
         await pool.close()
 

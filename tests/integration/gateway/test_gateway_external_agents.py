@@ -34,6 +34,7 @@ from relayrl_testkit.agents import chat_agent
 from relayrl_testkit.helpers.up import running
 
 P = "train"
+ENV_OK = common_pb2.ENV_REWARD_STATUS_OK
 AGENT = [sys.executable, chat_agent.__file__]
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "agents"
 VERIFIERS_PYTHON = (
@@ -157,7 +158,7 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
             group("g-vf-unknown", "vf"),  # names no task of the environment
         ]
         groups_put += [group("g-served-die", "served-die", behave="die")]
-        # a group label cannot pose as a reported reward: only the close writes one
+        # a group label of a reward's old name is only a label: only the close reports one
         groups_put += [group("g-posing", "good", env_reward="1.0", env_reward_status="ok")]
         tq.put_groups(P, groups_put)
         deadline = time.monotonic() + 240
@@ -188,16 +189,17 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         assert all(t.response_token_ids for t in groups[name].trajectories), name
     # the environment's reward rides on the trajectory as reported with the close
     reported = {
-        uid: [(t.labels.get("env_reward"), t.labels.get("env_reward_status")) for t in
-              groups[uid].trajectories]
+        uid: [(t.env_reward.score, t.env_reward.status) if t.HasField("env_reward") else None
+              for t in groups[uid].trajectories]
         for uid in ("g-rewarded", "g-fnrewarded", "g-good", "g-posing")
     }  # fmt: skip
     assert reported == {
-        "g-rewarded": [("0.75", "ok")] * 2,
-        "g-fnrewarded": [("0.5", "ok")] * 2,
-        "g-good": [(None, None)] * 2,
-        "g-posing": [(None, None)] * 2,
+        "g-rewarded": [(0.75, ENV_OK)] * 2,
+        "g-fnrewarded": [(0.5, ENV_OK)] * 2,
+        "g-good": [None] * 2,
+        "g-posing": [None] * 2,
     }
+    assert all(t.labels["env_reward"] == "1.0" for t in groups["g-posing"].trajectories)
     for trajectory in good:
         mask = bytes(trajectory.response_mask)
         # two generated turns, the user's follow-up between them: 1s, then 0s, then 1s
@@ -206,8 +208,8 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
     # the verifiers environment's rubric (correct + 0.1 answered + 0.1 concise) with the close
     for trajectory in groups["g-vf"].trajectories:
         assert not trajectory.tags.is_infra and trajectory.response_token_ids, trajectory
-        assert trajectory.labels["env_reward_status"] == "ok", trajectory.labels
-        assert 0.0 < float(trajectory.labels["env_reward"]) <= 1.2, trajectory.labels
+        assert trajectory.env_reward.status == ENV_OK, trajectory.env_reward
+        assert 0.0 < trajectory.env_reward.score <= 1.2, trajectory.env_reward
     expected = {
         "crash": ["exited 3", "boom: the agent fell over"],
         "hang": ["ran past its deadline of 4.0 s"],

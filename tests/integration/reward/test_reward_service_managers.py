@@ -201,19 +201,27 @@ def test_reasoning_gym_items_are_scored_by_their_checkers(service: RewardProcess
 
 
 def test_an_environment_reward_is_scored_alone_or_added_to_a_rule(service: RewardProcess) -> None:
-    """The `env` manager takes what an agent reported with its close (the trajectory's labels,
-    or `extra` from any caller); an environment that could not score is INFRA_ERROR, an item
-    that reports nothing is refused, never scored 0."""
+    """The `env` manager takes what an agent reported with its close (the trajectory's
+    `env_reward`, or the item's from any caller); an environment that could not score is
+    INFRA_ERROR, an item that reports nothing is refused, never scored 0, and labels in
+    `extra` never report one."""
     import grpc
 
-    def reporting(item_id: str, answer: str, status: str, score: float = 0.0, **more: str):
-        labels = {"env_reward": repr(score), "env_reward_status": status, **more}
-        return qa(item_id, answer, data_source="arith", extra=labels)
+    statuses = {
+        "ok": common_pb2.ENV_REWARD_STATUS_OK,
+        "fail": common_pb2.ENV_REWARD_STATUS_FAIL,
+        "error": common_pb2.ENV_REWARD_STATUS_ERROR,
+        "unspecified": common_pb2.ENV_REWARD_STATUS_UNSPECIFIED,
+    }
+
+    def reporting(item_id: str, answer: str, status: str, score: float = 0.0, message: str = ""):
+        reward = common_pb2.EnvReward(status=statuses[status], score=score, message=message)
+        return qa(item_id, answer, data_source="arith", env_reward=reward)
 
     items = [
         reporting("ok", "Answer: 42", "ok", 0.5),
-        reporting("fail", "Answer: 41", "fail", 0.25, env_reward_message="format only"),
-        reporting("error", "Answer: 42", "error", env_reward_message="verifier crashed"),
+        reporting("fail", "Answer: 41", "fail", 0.25, message="format only"),
+        reporting("error", "Answer: 42", "error", message="verifier crashed"),
     ]
     alone = score(service, "env", items)
     assert [(r.status, r.score) for r in alone[:2]] == [(OK, 0.5), (POLICY_FAIL, 0.25)]
@@ -222,9 +230,11 @@ def test_an_environment_reward_is_scored_alone_or_added_to_a_rule(service: Rewar
     added = score(service, "env_and_rules", items[:2])
     assert [(r.status, r.score) for r in added] == [(OK, 1.5), (POLICY_FAIL, 0.25)]
     assert dict(added[0].components) == {"env": 0.5, "rules": 1.0}
+    posing = {"env_reward": "1.0", "env_reward_status": "ok"}
     for bad, words in (
         (qa("silent", "Answer: 42", data_source="arith"), "reports no environment reward"),
-        (reporting("odd", "x", "great"), "malformed environment reward"),
+        (qa("posing", "x", data_source="arith", extra=posing), "reports no environment reward"),
+        (reporting("odd", "x", "unspecified"), "malformed environment reward"),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             score(service, "env", [bad])

@@ -23,6 +23,7 @@ def reward_config(redis_url: str, sleep_s: float) -> dict:
         "managers": {
             "rules": {"type": "naive"},
             "by_id": {"type": "custom", "path": "relayrl_testkit.helpers.reward_plugins:by_id"},
+            "env": {"type": "env"},
         },
         "default_manager": "rules",
         "tq_scorer": {
@@ -31,13 +32,13 @@ def reward_config(redis_url: str, sleep_s: float) -> dict:
             "reader": "reward-0",  # a pod name: stable across restarts
             "reclaim_idle_s": 0.5,
             "read_count": 4,
-            "managers_by_data_source": {"slow": "by_id"},
+            "managers_by_data_source": {"slow": "by_id", "env": "env"},
         },
         "pipeline": {"num_workers": 2},
     }
 
 
-def group(uid: str, data_source: str = "gsm8k") -> common_pb2.PromptGroup:
+def group(uid: str, data_source: str = "gsm8k", **labels: str) -> common_pb2.PromptGroup:
     return common_pb2.PromptGroup(
         uid=uid,
         num_samples=NUM_SAMPLES,
@@ -45,7 +46,7 @@ def group(uid: str, data_source: str = "gsm8k") -> common_pb2.PromptGroup:
         messages=[common_pb2.ChatMessage(role="user", content="What is 1+1?")],
         data_source=data_source,
         ground_truth="#### 2",
-        labels={"sleep_s": "0.05"},
+        labels={"sleep_s": "0.05", **labels},
     )
 
 
@@ -106,6 +107,48 @@ def test_trajectories_are_scored_as_they_land_with_rule_rewards(
         assert rewards["g1_0"].status == common_pb2.REWARD_STATUS_INVALID_INPUT
         assert "no_such_source" in rewards["g1_0"].message
         assert g0.group.tags.status == common_pb2.GROUP_STATUS_SCORED
+    finally:
+        service.kill()
+
+
+def test_the_env_manager_scores_the_trajectorys_env_reward_field_and_never_its_labels(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    tq = TransferQueue(redis_server.client())
+    tq.create_partition(P)
+    service = RewardProcess(tmp_path / "r", reward_config(redis_server.url, 0)).start()
+    try:
+        posing = {"env_reward": "1.0", "env_reward_status": "ok"}
+        tq.put_groups(P, [group("e0", "env", **posing), group("e1", "env")])
+        reported = {
+            "e0_0": common_pb2.EnvReward(status=common_pb2.ENV_REWARD_STATUS_FAIL, score=0.25),
+            # malformed (no status): refused and stored as such, never a reward
+            "e1_0": common_pb2.EnvReward(score=1.0),
+        }
+        for claim in tq.claim_groups(P, max_groups=2, claimer="gw", lease_s=600).claimed:
+            puts = []
+            for i in range(NUM_SAMPLES):
+                traj = trajectory(claim.group.uid, i, "2")
+                traj.labels.update(posing)  # labels of the reward's old names are only labels
+                if (key := f"{claim.group.uid}_{i}") in reported:
+                    traj.env_reward.CopyFrom(reported[key])
+                puts.append(TrajectoryPut(traj, claim.claim_id))
+            tq.put_trajectories(P, puts)
+        wait_until(lambda: len(scored_transitions(tq)) == 4, 30, "4 scored trajectories")
+        groups = tq.get_groups(P, ["e0", "e1"])
+        rewards = {f"{t.uid}_{t.index}": t.reward for g in groups for t in g.trajectories}
+        assert (rewards["e0_0"].status, rewards["e0_0"].score) == (
+            common_pb2.REWARD_STATUS_POLICY_FAIL,
+            0.25,
+        )
+        invalid = common_pb2.REWARD_STATUS_INVALID_INPUT
+        for key, words in (
+            ("e0_1", "reports no environment reward"),
+            ("e1_0", "malformed environment reward"),
+            ("e1_1", "reports no environment reward"),
+        ):
+            assert rewards[key].status == invalid and words in rewards[key].message, rewards[key]
+            assert rewards[key].manager == "env", rewards[key]
     finally:
         service.kill()
 

@@ -128,10 +128,11 @@ def test_a_verifiers_environment_scores_what_the_trainer_trains_on(
             assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
             for trajectory in entry.trajectories:
                 assert trajectory.labels["agent_session"], trajectory.labels
-                assert trajectory.labels["env_reward_status"] == "ok", trajectory.labels
+                env = trajectory.env_reward
+                assert env.status == common_pb2.ENV_REWARD_STATUS_OK, (uid, env)
                 # the reward-service's score is the environment's reported rubric
                 assert trajectory.reward.status == common_pb2.REWARD_STATUS_OK
-                assert trajectory.reward.score == float(trajectory.labels["env_reward"])
+                assert trajectory.reward.score == env.score
                 scores.append(trajectory.reward.score)
         # the trainer's step trained on exactly those rewards
         assert record["reward_mean"] == pytest.approx(np.mean(scores), abs=1e-6), record["step"]

@@ -202,10 +202,13 @@ def test_plugin_contract_is_pinned() -> None:
     assert inspect.iscoroutinefunction(RewardManager.score_batch)
     assert inspect.iscoroutinefunction(RewardManager.close)
     fields = [f for f in RewardItem.__dataclass_fields__]
+    # fields are only ever appended, with a default: a plug-in's positional RewardItem(...)
+    # keeps its meaning
     assert fields == [
         "item_id", "data_source", "prompt", "response", "ground_truth",
-        "response_token_ids", "response_mask", "group_id", "extra",
+        "response_token_ids", "response_mask", "group_id", "extra", "env_reward",
     ]  # fmt: skip
+    assert RewardItem.__dataclass_fields__["env_reward"].default is None
     assert list(Verdict.__dataclass_fields__) == ["score", "status", "components", "message"]
 
 
@@ -324,20 +327,70 @@ def test_token_level_scores_need_a_generated_token() -> None:
     assert token_level_scores(RewardItem("a", response_token_ids=(1, 2)), 2.0) == (0.0, 2.0)
 
 
-def test_an_environment_reward_round_trips_through_labels_and_bad_ones_are_named() -> None:
-    from relayrl.core.env_reward import EnvReward, from_labels
+def test_an_environment_reward_round_trips_through_its_field_and_bad_ones_are_named() -> None:
+    from relayrl.core.env_reward import EnvReward, from_proto
+    from relayrl.proto.common.v1 import common_pb2
+    from relayrl.proto.rollout.v1 import rollout_pb2
+    from relayrl.reward.convert import item_from_proto
+    from relayrl.reward.items import InvalidItem
 
     reported = EnvReward("fail", 0.25, "2 of 8 checks")
-    assert from_labels({"task": "x", **reported.to_labels()}) == reported
-    assert from_labels({"task": "x"}) is None
-    for labels, words in (
-        ({"env_reward": "1"}, "without env_reward_status"),
-        ({"env_reward": "one", "env_reward_status": "ok"}, "not a number"),
-        ({"env_reward": "1", "env_reward_status": "great"}, "status must be one of"),
-        ({"env_reward": "nan", "env_reward_status": "ok"}, "finite"),
+    assert from_proto(reported.to_proto()) == reported
+    # a close's (rollout.v1) has the same fields and numbers as a trajectory's (common.v1)
+    close = rollout_pb2.EnvReward(
+        status=rollout_pb2.ENV_REWARD_STATUS_FAIL, score=0.25, message="2 of 8 checks"
+    )
+    assert from_proto(close) == reported
+    item = item_from_proto(common_pb2.RewardItem(item_id="a", env_reward=reported.to_proto()))
+    assert item.env_reward == reported
+    assert item_from_proto(common_pb2.RewardItem(item_id="b")).env_reward is None
+    ok = common_pb2.ENV_REWARD_STATUS_OK
+    for bad, words in (
+        (common_pb2.EnvReward(score=1), "got ENV_REWARD_STATUS_UNSPECIFIED"),
+        (common_pb2.EnvReward(status=ok, score=float("nan")), "finite"),
+        (common_pb2.EnvReward(status=ok, score=1e7), "finite"),
+        (common_pb2.EnvReward(status=ok, message="x" * 1001), "longer than 1000"),
     ):
         with pytest.raises(ValueError, match=words):
-            from_labels(labels)
+            from_proto(bad)
+        with pytest.raises(InvalidItem, match=f"malformed environment reward: .*{words}"):
+            item_from_proto(common_pb2.RewardItem(item_id="c", env_reward=bad))
+
+
+def test_labels_never_set_an_environment_reward() -> None:
+    """Labels of the reward's old names (a group's, an opener's, a caller's `extra`) are only
+    labels: the `env` manager reads the item's field, the TransferQueue front door fills it from
+    the trajectory's field alone."""
+    from relayrl.core.env_reward import EnvReward
+    from relayrl.proto.common.v1 import common_pb2
+    from relayrl.reward.items import InvalidItem
+    from relayrl.reward.managers.env import EnvManager
+    from relayrl.reward.tq_scorer import item_of
+
+    posing = {"env_reward": "1.0", "env_reward_status": "ok"}
+    manager = EnvManager("env", None)
+    with pytest.raises(InvalidItem, match="reports no environment reward"):
+        manager.validate(RewardItem("a", extra=posing))
+    reported = RewardItem("b", extra=posing, env_reward=EnvReward("fail", 0.25, "format only"))
+    manager.validate(reported)
+    verdict = asyncio.run(manager.score(reported))
+    assert (verdict.score, verdict.status, verdict.message) == (
+        0.25,
+        Status.POLICY_FAIL,
+        "format only",
+    )
+
+    group = common_pb2.PromptGroup(uid="g", num_samples=2, data_source="env", labels=posing)
+    silent = common_pb2.Trajectory(uid="g", index=0, labels=posing)
+    item = item_of(group, silent)
+    assert item.env_reward is None and item.extra["env_reward"] == "1.0"  # a label, kept as one
+    closed = common_pb2.Trajectory(
+        uid="g", index=1, labels=posing, env_reward=EnvReward("ok", 0.5).to_proto()
+    )
+    assert item_of(group, closed).env_reward == EnvReward("ok", 0.5)
+    malformed = common_pb2.Trajectory(uid="g", index=1, env_reward=common_pb2.EnvReward(score=1))
+    with pytest.raises(InvalidItem, match="item 'g_1': malformed environment reward"):
+        item_of(group, malformed)
 
 
 def test_the_env_manager_refuses_to_add_a_group_normalising_manager() -> None:

@@ -251,8 +251,8 @@ class AgentSession:
                     spans=response.spans,
                 )
         trajectory.labels[SESSION_LABEL] = self.session_id
-        if env_reward is not None:
-            trajectory.labels.update(env_reward.to_labels())
+        if env_reward is not None:  # the one writer of a trajectory's environment reward
+            trajectory.env_reward.CopyFrom(env_reward.to_proto())
         if failed:
             trajectory.finish_reason = "error"
             trajectory.error = reason[:2000]

@@ -1,10 +1,11 @@
 """`env`: the reward an environment reported itself (an agent's close, relayrl.core.env_reward),
 alone or added to another manager's score (docs/rewards.md#environment-rewards).
 
-The reported reward rides on the item's `extra` (a trajectory's labels; a gRPC caller sets the
-same keys). Its status decides: `ok` and `fail` are rewards (OK, POLICY_FAIL), `error` is
-INFRA_ERROR with the environment's message. An item that reports nothing is refused before it
-is queued (INVALID_ARGUMENT), never scored 0.
+The reported reward is the item's own `env_reward` (a trajectory's, which only the gateway
+writes from an agent's close; a gRPC caller sets the same field), never its `extra` or labels.
+Its status decides: `ok` and `fail` are rewards (OK, POLICY_FAIL), `error` is INFRA_ERROR with
+the environment's message. An item that reports nothing is refused before it is queued
+(INVALID_ARGUMENT), never scored 0.
 
 With `add: <manager>`, the item is also scored by that manager and the reward is the sum
 (components `env` and the manager's name): a verifier's format or efficiency score next to a
@@ -18,7 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from relayrl.core.env_reward import EnvReward, from_labels
+from relayrl.core.env_reward import EnvReward
 from relayrl.reward.items import InfraError, InvalidItem, RewardItem, ScoringError, Status, Verdict
 from relayrl.reward.managers.base import (
     ManagerConfigBase,
@@ -53,11 +54,9 @@ class EnvConfig(ManagerConfigBase):
 
 
 def reported(item: RewardItem) -> EnvReward:
-    """The item's reported reward; InvalidItem when it has none or a malformed one."""
-    try:
-        reward = from_labels(item.extra)
-    except ValueError as exc:
-        raise InvalidItem(f"item {item.item_id!r}: malformed environment reward: {exc}") from None
+    """The item's reported reward; InvalidItem when it has none (a malformed one is refused at
+    the edge, relayrl.reward.convert.reported_reward)."""
+    reward = item.env_reward
     if reward is None:
         raise InvalidItem(
             f"item {item.item_id!r} reports no environment reward (its agent closed without "

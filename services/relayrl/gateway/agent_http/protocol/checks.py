@@ -352,13 +352,6 @@ def check_labels(value: Any, name: str) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
     ):
         raise invalid("labels must map strings to strings", "labels")
-    reserved = sorted(set(labels) & set(env_reward.LABELS))
-    if reserved:
-        raise invalid(
-            f"labels {reserved} are reserved: an environment reward is reported with the "
-            "session's close (env_reward)",
-            "labels",
-        )
     return labels
 
 
