@@ -10,15 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.core.records import EvalRecord, StepRecord
 from relayrl.up import run as up_run
 from relayrl.up.config import UpConfig
-from relayrl.up.evaluate import (
-    DEADLINE_FACTOR,
-    MAX_CONCURRENT,
-    MIN_DEADLINE_S,
-    EvalRecord,
-    Evaluator,
-)
+from relayrl.up.evaluate import DEADLINE_FACTOR, MAX_CONCURRENT, MIN_DEADLINE_S, Evaluator
 from relayrl.up.progress import Progress
 
 
@@ -82,10 +77,14 @@ def test_an_evaluation_that_fails_twice_is_recorded_and_shown_as_failed(tmp_path
     (record,) = [json.loads(x) for x in run.eval_log.read_text().splitlines()]
     assert record["failed"] is True and record["accuracy"] is None and record["step"] == 8
     progress = Progress(tmp_path, Stack(), 20, lines.append)
-    good = {"kind": "periodic", "step": 4, "accuracy": 0.5}
-    line = progress.line({"step": 8}, None, record)
+    good = EvalRecord(
+        kind="periodic", step=4, version=4, version_end=4, n=2, correct=1, accuracy=0.5,
+        sampled_accuracy=None, seconds=1.0, time=0.0,
+    )  # fmt: skip
+    step = StepRecord(step=8, time=0.0)
+    line = progress.line(step, None, EvalRecord.model_validate(record))
     assert "held-out FAILED@8" in line and "50.0%" not in line
-    assert "held-out 50.0%@4" in progress.line({"step": 8}, None, good)
+    assert "held-out 50.0%@4" in progress.line(step, None, good)
 
 
 def test_the_deadline_follows_the_measured_speed() -> None:
