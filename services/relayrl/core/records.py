@@ -5,9 +5,9 @@
     weightsync/transfers.jsonl  TransferRecord  relayrl.weightsync.versions, one per transfer
 
 Each is defined here, at the bottom of the package layers (docs/architecture.md#package-layers),
-because its writer (the trainer, weight-sync, `relayrl up`) and its readers (`relayrl up`'s
-report, audit, status and progress, the test kit, the benches) all may import `relayrl.core`
-and no lower package is shared by them. A reader gets typed records: a field is there with its
+once for its writer (the trainer, weight-sync, `relayrl up`) and its readers (`relayrl up`'s
+report, audit, status and progress, the test kit, the benches): every one of them may import
+`relayrl.core`, and it imports none of them. A reader gets typed records: a field is there with its
 type, or the line is not a record at all (see `read_records`), so no reader checks a value's
 type again.
 
