@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from relayrl.core.records import StepRecord, TransferRecord, read_records
+
 FIXED = ("trainer_early", "redis", "engine", "weightsync", "trainer", "gateway+reward")
 PARTS = ("redis", "engine", "weightsync", "trainer", "gateway", "reward", "gateway+reward")
 CHECKPOINT_INTERVAL = 3
@@ -124,17 +126,12 @@ class UpRun:
         return json.loads(path.read_text())["children"] if path.exists() else {}
 
     def steps_logged(self) -> int:
-        path = self.run_dir / "trainer" / "steps.jsonl"
-        if not path.exists():
-            return 0
-        return len({json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()})
+        records = read_records(self.run_dir / "trainer" / "steps.jsonl", StepRecord)
+        return len({r.step for r in records})
 
     def commits_after(self, t: float) -> list[float]:
-        path = self.run_dir / "weightsync" / "transfers.jsonl"
-        if not path.exists():
-            return []
-        records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        return sorted(r["time"] for r in records if r["state"] == "committed" and r["time"] > t)
+        records = read_records(self.run_dir / "weightsync" / "transfers.jsonl", TransferRecord)
+        return sorted(r.time for r in records if r.state == "committed" and r.time > t)
 
     def checkpoints(self) -> list[int]:
         root = self.run_dir / "trainer" / "checkpoints"

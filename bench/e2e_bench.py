@@ -104,23 +104,23 @@ def run(mode: str, eta: int, args: argparse.Namespace, runs_dir: Path) -> Result
     state = run.state
     n = run.config["train"]["samples_per_prompt"]
     started = state["training_started"]
-    ended = {r["step"] + 1: r["time"] - started for r in records}  # steps done -> seconds
+    ended = {r.step + 1: r.time - started for r in records}  # steps done -> seconds
     curve = [
-        (ended[e["step"]], e["accuracy"])
+        (ended[e.step], e.accuracy)
         for e in run.evals
-        if e["kind"] in ("periodic", "final") and e["step"] in ended
+        if e.kind in ("periodic", "final") and e.step in ended and e.accuracy is not None
     ]
     return Result(
         mode=mode,
         eta=eta,
         run=run,
         steps=len(records),
-        trajectories=sum(r["groups"].get("keep", 0) for r in records) * n,
+        trajectories=sum(r.groups.get("keep", 0) for r in records) * n,
         train_s=run.train_s,
         warm=run.accuracy("warm_start"),
         final=run.accuracy("final"),
-        staleness_mean=statistics.fmean(r.get("staleness_mean", 0) for r in records),
-        phases={p: statistics.fmean(r["phases_s"].get(p, 0.0) for r in records) for p in PHASES},
+        staleness_mean=statistics.fmean(r.staleness_mean or 0.0 for r in records),
+        phases={p: statistics.fmean(r.phases_s.get(p, 0.0) for r in records) for p in PHASES},
         curve=curve,
         placed=placed,
     )

@@ -12,7 +12,6 @@ and exits 1 when a check fails. tests/gpu/test_gpu_real_model.py runs it (marked
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 import yaml
+
+from relayrl.core.records import StepRecord, TransferRecord, read_records
 
 # bf16 on both sides, 30 layers: logits of size ~20 agree to a few tenths at worst.
 LOGITS_TOL = 1.0
@@ -82,12 +83,10 @@ def check_up(model: Path, steps: int, workdir: Path) -> tuple[int, int, float]:
         return 0, 0, float("nan")
     run_dir = Path(next(x for x in result.stdout.splitlines() if x.startswith("relayrl up: run "))
                    .rsplit(" ", 1)[-1])  # fmt: skip
-    steps_done = len((run_dir / "trainer" / "steps.jsonl").read_text().splitlines())
-    transfers = [
-        json.loads(x) for x in (run_dir / "weightsync" / "transfers.jsonl").read_text().splitlines()
-    ]
-    committed = [t for t in transfers if t["state"] == "committed"]
-    sync = [sum(t["durations_s"].values()) for t in committed] or [float("nan")]
+    steps_done = len(read_records(run_dir / "trainer" / "steps.jsonl", StepRecord))
+    transfers = read_records(run_dir / "weightsync" / "transfers.jsonl", TransferRecord)
+    committed = [t for t in transfers if t.state == "committed"]
+    sync = [sum(t.durations_s.values()) for t in committed] or [float("nan")]
     return steps_done, len(committed), statistics.median(sync)
 
 

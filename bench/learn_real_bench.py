@@ -30,7 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from up_runs import UpRun, default_placement, read_jsonl, run_up
+from up_runs import UpRun, default_placement, run_up
+
+from relayrl.core.records import StepRecord, read_records
+from relayrl.up.evaluate import Answer
 
 PHASES = ("wait", "old_logprobs", "update", "publish")
 _NUMBER = re.compile(r"(?<![\w)\]])-?\$?\s?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)")
@@ -54,9 +57,9 @@ def lenient_correct(response: str, truth: str) -> bool:
 
 
 def accuracies(answers_file: Path) -> tuple[float, float, int]:
-    answers = read_jsonl(answers_file)
-    strict = sum(strict_correct(a["response"], a["ground_truth"]) for a in answers)
-    lenient = sum(lenient_correct(a["response"], a["ground_truth"]) for a in answers)
+    answers = read_records(answers_file, Answer)
+    strict = sum(strict_correct(a.response, a.ground_truth) for a in answers)
+    lenient = sum(lenient_correct(a.response, a.ground_truth) for a in answers)
     return strict / len(answers), lenient / len(answers), len(answers)
 
 
@@ -75,12 +78,12 @@ def curve(run: UpRun) -> list[tuple[str, int, int, float, float]]:
     """(kind, step, version, strict, lenient) of every evaluation, in order."""
     out = []
     for record in run.evals:
-        if record.get("failed"):
-            print(f"  evaluation {record['kind']}@{record['step']} FAILED: {record['error']}")
+        if record.failed:
+            print(f"  evaluation {record.kind}@{record.step} FAILED: {record.error}")
             continue
-        path = run.run_dir / "eval" / f"{record['kind']}-{record['step']}.jsonl"
+        path = run.run_dir / "eval" / f"{record.kind}-{record.step}.jsonl"
         strict, lenient, _ = accuracies(path)
-        out.append((record["kind"], record["step"], record["version"], strict, lenient))
+        out.append((record.kind, record.step, record.version, strict, lenient))
     return out
 
 
@@ -95,12 +98,12 @@ def plot(points: list[tuple[str, int, int, float, float]], run: UpRun, path: Pat
     acc.plot(steps, [100 * p[3] for p in points], "o-", label="strict (#### answer)")
     acc.plot(steps, [100 * p[4] for p in points], "s--", label="lenient (last number)")
     acc.set(xlabel="trainer steps", ylabel="held-out accuracy, greedy (%)", ylim=(0, None))
-    acc.set_title(f"SmolLM2-135M-Instruct, n={len(read_jsonl(_answers(run, points[0])))}")
+    acc.set_title(f"SmolLM2-135M-Instruct, n={len(read_records(_answers(run, points[0]), Answer))}")
     acc.legend()
     records = run.steps
-    reward.plot([r["step"] + 1 for r in records], [r["reward_mean"] for r in records], ".-")
+    reward.plot([r.step + 1 for r in records], [r.reward_mean for r in records], ".-")
     signal = [_signal(r) for r in records]
-    reward.plot([r["step"] + 1 for r in records], signal, "x:", label="groups with signal")
+    reward.plot([r.step + 1 for r in records], signal, "x:", label="groups with signal")
     reward.set(xlabel="trainer steps", ylabel="mean reward / share", ylim=(0, 1))
     reward.set_title("training reward (trained groups)")
     reward.legend(["reward", "groups with signal"])
@@ -112,17 +115,17 @@ def _answers(run: UpRun, point: tuple[str, int, int, float, float]) -> Path:
     return run.run_dir / "eval" / f"{point[0]}-{point[1]}.jsonl"
 
 
-def _signal(record: dict) -> float:
-    groups = record.get("groups", {})
+def _signal(record: StepRecord) -> float:
+    groups = record.groups
     consumed = sum(groups.values()) - groups.get("evicted", 0)
     return groups.get("keep", 0) / consumed if consumed else 0.0
 
 
-def wasted_tokens(records: list[dict]) -> float:
+def wasted_tokens(records: list[StepRecord]) -> float:
     """Generated tokens in groups without signal over every generated token consumed."""
     tokens: dict[str, int] = {}
     for record in records:
-        for verdict, n in record.get("generated_tokens", {}).items():
+        for verdict, n in record.generated_tokens.items():
             tokens[verdict] = tokens.get(verdict, 0) + n
     total = sum(tokens.values())
     return tokens.get("no_signal", 0) / total if total else 0.0
@@ -165,12 +168,12 @@ def main() -> None:
     records = run.steps
     print(f"{'step':>4}{'reward':>8}{'signal':>8}{'kept':>6}{'no_sig':>7}{'tokens':>8}")
     for r in records:
-        groups = r.get("groups", {})
-        print(f"{r['step'] + 1:>4}{r['reward_mean']:>8.3f}{_signal(r):>8.2f}"
+        groups = r.groups
+        print(f"{r.step + 1:>4}{r.reward_mean or 0.0:>8.3f}{_signal(r):>8.2f}"
               f"{groups.get('keep', 0):>6}{groups.get('no_signal', 0):>7}"
-              f"{sum(r.get('generated_tokens', {}).values()):>8}")  # fmt: skip
+              f"{sum(r.generated_tokens.values()):>8}")  # fmt: skip
     print("time per step (mean s): " + ", ".join(
-        f"{p} {statistics.fmean(r['phases_s'].get(p, 0.0) for r in records):.0f}"
+        f"{p} {statistics.fmean(r.phases_s.get(p, 0.0) for r in records):.0f}"
         for p in PHASES
     ))  # fmt: skip
     png = runs_dir / "learn-real.png"

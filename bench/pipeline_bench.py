@@ -49,6 +49,7 @@ import numpy as np
 
 from relayrl.core.config import LoggingConfig
 from relayrl.core.ports import free_port
+from relayrl.core.records import StepRecord, read_records
 from relayrl.core.service_process import ServiceProcess, console_script
 from relayrl.models.tiny import TinyModelConfig, init_model
 from relayrl.sim.durations import EpisodeModel
@@ -106,12 +107,6 @@ def _raise_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def write_prompts(path: Path, count: int) -> Path:
@@ -252,19 +247,20 @@ def run_real(
     finally:
         for child in reversed(children):
             child.stop()
-    records = read_jsonl(root / "steps.jsonl")
-    if len(records) != args.steps or not all(r.get("emulated_update") == 1.0 for r in records):
+    records = read_records(root / "steps.jsonl", StepRecord)
+    if len(records) != args.steps or not all(r.emulated_update == 1.0 for r in records):
         raise RuntimeError(f"{design.name}: expected {args.steps} emulated steps in steps.jsonl")
-    lags = [(int(lag), n) for r in records for lag, n in r.get("policy_lag_histogram", {}).items()]
+    lags = [(lag, n) for r in records for lag, n in r.policy_lag_histogram.items()]
     trained = sum(n for _, n in lags)
-    served = read_jsonl(emulator.log)
+    # the emulator's request log (relayrl_testkit.emulator.RequestLog), not a run record
+    served = [json.loads(x) for x in emulator.log.read_text().splitlines() if x.strip()]
     expected = EpisodeModel().durations(args.seed, len(served))
     if any(abs(r["duration_s"] - expected[r["index"]]) > 1e-6 for r in served):
         raise RuntimeError(f"{design.name}: the emulator served durations the model did not draw")
     # The simulation's clock: from the first launch to the end of the last step's update (the
     # sync after it serves a step that never runs).
     started = min(r["arrival_time"] for r in served)
-    ended = records[-1]["time"] - records[-1]["phases_s"]["publish"]
+    ended = records[-1].time - records[-1].phases_s["publish"]
     busy_s = sum(
         max(0.0, min(r["finish_time"], ended) - r["arrival_time"])
         for r in served

@@ -37,6 +37,7 @@ peak_rss_gb < 4, sync_s <= 0.5.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -46,7 +47,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from up_runs import UpRun, default_placement, read_jsonl, run_up
+from up_runs import UpRun, default_placement, run_up
+
+from relayrl.core.records import StepRecord
 
 THROUGHPUT = re.compile(r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs")
 VM_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
@@ -181,7 +184,9 @@ def micro_batches(lengths: list[int], rows: int, tokens: int | None) -> list[lis
             for m in split(batch, rows, tokens)]  # fmt: skip
 
 
-def torch_reference(model: Path, steps: list[dict], training: dict, repeats: int) -> list[dict]:
+def torch_reference(
+    model: Path, steps: list[StepRecord], training: dict, repeats: int
+) -> list[dict]:
     """Seconds of the three phases of each step over its own rows, bare PyTorch, fp32, on this
     process's CPUs (the trainer's)."""
     import torch
@@ -198,11 +203,11 @@ def torch_reference(model: Path, steps: list[dict], training: dict, repeats: int
         logits = hf(ids).logits[:, :-1].float() / temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
-    def one(step: dict) -> dict:
+    def one(step: StepRecord) -> dict:
         parts = [
             torch.randint(3, hf.config.vocab_size, (len(mb), max(mb)), generator=gen)
             for mb in micro_batches(
-                step["row_tokens"], training["micro_batch_size"], training["micro_batch_tokens"]
+                step.row_tokens, training["micro_batch_size"], training["micro_batch_tokens"]
             )
         ]
         clock = time.perf_counter()
@@ -234,7 +239,8 @@ def rendered_prompts(run_dir: Path, model: Path) -> list[str]:
     from relayrl.conversation.rendering import render
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    records = read_jsonl(run_dir / "data" / "prompts.jsonl")[:64]
+    lines = (run_dir / "data" / "prompts.jsonl").read_text().splitlines()[:64]
+    records = [json.loads(line) for line in lines]  # task data: not a run record
     return [render(tokenizer, r["messages"], None, True) for r in records]
 
 
@@ -282,20 +288,21 @@ def main() -> None:
         finally:
             stop.touch()
             vllm.wait(timeout=600)
-        rounds = read_jsonl(out)[1:] if out.exists() else []  # the first round warms up
+        # the reference's own output, one round a line; the first round warms up
+        rounds = [json.loads(x) for x in out.read_text().splitlines()[1:]] if out.exists() else []
         if not rounds:
             log = (workdir / "vllm-reference.log").read_text()[-2000:]
             sys.exit(f"real-model-bench: the vLLM reference generated nothing:\n{log}")
         vllm_rate = sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds)
 
     phases = {
-        name: [float(s["phases_s"].get(key, 0.0)) for s in steps]
+        name: [s.phases_s.get(key, 0.0) for s in steps]
         for name, key in (("old_logprobs", "old_logprobs"), ("update", "update"),
                           ("sync", "publish"), ("wait", "wait"))
     }  # fmt: skip
     trainer_s = sum(phases["old_logprobs"]) + sum(phases["update"])
     reference_s = sum(sum(r.values()) for r in reference)
-    trained_tokens = sum(s["trained_tokens"] for s in steps)
+    trained_tokens = sum(s.trained_tokens or 0.0 for s in steps)
     trainer_rate = trained_tokens / trainer_s
     sync_s = statistics.median(phases["sync"])
     mean_len = statistics.fmean(n for s in steps for n in s["row_tokens"])

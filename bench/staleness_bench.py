@@ -29,6 +29,8 @@ from pathlib import Path
 
 from up_runs import UpRun, run_up
 
+from relayrl.core.records import StepRecord
+
 # label, lag, importance_sampling
 VARIANTS: dict[str, tuple[int, dict]] = {
     "lag0": (0, {"kind": "none"}),
@@ -80,7 +82,7 @@ def variant_config(args: argparse.Namespace, lag: int, weights: dict, seed: int)
 
 def summarise(label: str, lag: int, seed: int, run: UpRun) -> Result:
     steps = run.steps
-    full_lag = [r for r in steps if r["step"] >= lag] or steps
+    full_lag = [r for r in steps if r.step >= lag] or steps
     last = steps[-LAST_STEPS:]
     return Result(
         label=label,
@@ -88,21 +90,28 @@ def summarise(label: str, lag: int, seed: int, run: UpRun) -> Result:
         seed=seed,
         warm=run.accuracy("warm_start"),
         final=run.accuracy("final"),
-        reward_last=statistics.fmean(r["reward_mean"] for r in last),
-        policy_lag=statistics.fmean(r.get("policy_lag_mean", 0.0) for r in full_lag),
-        abs_log_ratio=statistics.fmean(r["abs_log_ratio_mean"] for r in full_lag),
-        over_cap=statistics.fmean(r["is_raw_frac_over_cap"] for r in full_lag),
+        reward_last=statistics.fmean(_measured(r.reward_mean) for r in last),
+        policy_lag=statistics.fmean(r.policy_lag_mean or 0.0 for r in full_lag),
+        abs_log_ratio=statistics.fmean(_measured(r.abs_log_ratio_mean) for r in full_lag),
+        over_cap=statistics.fmean(_measured(r.is_raw_frac_over_cap) for r in full_lag),
         wall_s=run.wall_s,
         **dashboard_check(run, steps),
     )
 
 
-def dashboard_check(run: UpRun, steps: list[dict]) -> dict:
+def _measured(value: float | None) -> float:
+    """A per-step scalar every step of these runs has (a step without it is a broken run)."""
+    if value is None:
+        raise RuntimeError("staleness-bench: a step record lacks a scalar every step logs")
+    return value
+
+
+def dashboard_check(run: UpRun, steps: list[StepRecord]) -> dict:
     step, scraped = run.dashboard_values()
-    record = next((r for r in steps if r["step"] == step), None)
+    record = next((r for r in steps if r.step == step), None)
     if record is None or any(name not in scraped for name in DASHBOARD_METRICS):
         return {"dashboard_step": step, "dashboard_gap": float("inf")}
-    gap = max(abs(record.get(name, 0.0) - scraped[name]) for name in DASHBOARD_METRICS)
+    gap = max(abs((getattr(record, name) or 0.0) - scraped[name]) for name in DASHBOARD_METRICS)
     return {"dashboard_step": step, "dashboard_gap": gap}
 
 

@@ -19,13 +19,13 @@ forward/backward/optimizer>
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+from relayrl.core.records import StepRecord, read_records
 from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
@@ -129,12 +129,12 @@ def main() -> int:
                 print(trainer.log()[-3000:], file=sys.stderr)
                 return 1
             consumed = tq.counts(PARTITION).groups
-        records = [json.loads(line) for line in log.read_text().splitlines()]
+        records = read_records(log, StepRecord)
     counted = records[args.warmup :]
     rows = []
     for r in counted:
-        phases = r["phases_s"]
-        step_s = r["step_duration_s"]
+        phases = r.phases_s
+        step_s = r.step_duration_s
         rows.append(
             {
                 "step": step_s,
@@ -156,7 +156,7 @@ def main() -> int:
         mean = statistics.fmean(r[phase] for r in rows)
         share = sum(r[phase] for r in rows) / total
         print(f"{phase:<14}{mean:>10.3f}{share:>9.1%}")
-    tokens = statistics.fmean(r.get("trained_tokens", 0.0) for r in counted)
+    tokens = statistics.fmean(r.trained_tokens or 0.0 for r in counted)
     print(f"trained tokens per step: {tokens:.0f}")
     overhead = sum(r["step"] - r["model"] for r in rows) / total
     print(f"trainer-bench: overhead={overhead:.3f}")

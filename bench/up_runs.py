@@ -15,11 +15,8 @@ from typing import Any
 
 import yaml
 
+from relayrl.core.records import EvalRecord, StepRecord, read_records
 from relayrl.up.config import split_cpus
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 @dataclass
@@ -38,19 +35,23 @@ class UpRun:
         return yaml.safe_load((self.run_dir / "config.yaml").read_text())
 
     @property
-    def steps(self) -> list[dict]:
+    def steps(self) -> list[StepRecord]:
         """The trainer's step records, in step order (a resumed step counts once)."""
-        records = {r["step"]: r for r in read_jsonl(self.run_dir / "trainer" / "steps.jsonl")}
-        return [records[s] for s in sorted(records)]
+        records = read_records(self.run_dir / "trainer" / "steps.jsonl", StepRecord)
+        last = {r.step: r for r in records}
+        return [last[s] for s in sorted(last)]
 
     @property
-    def evals(self) -> list[dict]:
-        return read_jsonl(self.run_dir / "eval.jsonl")
+    def evals(self) -> list[EvalRecord]:
+        return read_records(self.run_dir / "eval.jsonl", EvalRecord)
 
     def accuracy(self, kind: str) -> float:
         """Greedy held-out accuracy of the first `warm_start` or the last `final` evaluation."""
         records = self.evals if kind == "warm_start" else list(reversed(self.evals))
-        return next(e for e in records if e["kind"] == kind)["accuracy"]
+        accuracy = next(e for e in records if e.kind == kind).accuracy
+        if accuracy is None:
+            raise RuntimeError(f"the {kind} evaluation of {self.run_dir} failed")
+        return accuracy
 
     def dashboard_values(self) -> tuple[int, dict[str, float]]:
         """The trainer's last /metrics scrape that `relayrl up` kept (`metrics/trainer.prom`,

@@ -1,24 +1,24 @@
 """The trainer's per-step metrics: Prometheus series and a JSONL log.
 
 Every step produces one flat dict of scalars (`StepMetrics.values`) plus histograms (staleness
-of the trained groups, lengths of trained vs launched trajectories). The same record goes to
-the JSONL log and to Prometheus, so a dashboard and an offline analysis never disagree.
+of the trained groups, lengths of trained vs launched trajectories). The same values go to
+the JSONL log (one `relayrl.core.records.StepRecord` per step) and to Prometheus, so a
+dashboard and an offline analysis never disagree.
 Scalar gauges carry one bounded label, `metric`, naming an entry of `GAUGE_METRICS`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from relayrl.core.metrics import metric_name
+from relayrl.core.records import RecordWriter, StepRecord
 
 SERVICE = "trainer"
 STALENESS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
@@ -80,23 +80,25 @@ class StepMetrics:
     set_aside: list[dict[str, object]] = field(default_factory=list)  # the curriculum's
     uids: list[str] = field(default_factory=list)  # the groups trained at this step
 
-    def record(self) -> dict[str, object]:
-        histogram: dict[int, int] = {}
-        for s in self.staleness:
-            histogram[s] = histogram.get(s, 0) + 1
-        return {
-            "step": self.step,
-            **{k: v for k, v in self.values.items() if math.isfinite(v)},
-            "staleness_histogram": {str(k): v for k, v in sorted(histogram.items())},
-            "policy_lag_histogram": {str(k): v for k, v in sorted(Tally(self.policy_lag).items())},
-            "groups": self.groups,
-            "no_signal": self.no_signal,
-            "failures": self.failures,
-            "generated_tokens": self.generated_tokens,
-            "set_aside": self.set_aside,
-            "uids": self.uids,
-            "row_tokens": self.row_tokens,
-        }
+    def record(self, phases_s: dict[str, float], at: float) -> StepRecord:
+        """The step's log record (a scalar that is not finite is left out), logged at `at`."""
+        return StepRecord.model_validate(
+            {
+                **{k: v for k, v in self.values.items() if math.isfinite(v)},
+                "step": self.step,
+                "time": at,
+                "phases_s": phases_s,
+                "staleness_histogram": dict(sorted(Tally(self.staleness).items())),
+                "policy_lag_histogram": dict(sorted(Tally(self.policy_lag).items())),
+                "groups": self.groups,
+                "no_signal": self.no_signal,
+                "failures": self.failures,
+                "generated_tokens": self.generated_tokens,
+                "set_aside": self.set_aside,
+                "uids": self.uids,
+                "row_tokens": self.row_tokens,
+            }
+        )
 
 
 class TrainerMetrics:
@@ -161,10 +163,7 @@ class TrainerMetrics:
             ["phase"],
             registry=registry,
         )
-        self._log: IO[str] | None = None
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = log_path.open("a", encoding="utf-8")
+        self._log = RecordWriter(log_path) if log_path is not None else None
 
     def observe(self, metrics: StepMetrics, phases_s: dict[str, float]) -> None:
         self.step.set(metrics.step)
@@ -184,9 +183,7 @@ class TrainerMetrics:
         for phase, seconds in phases_s.items():
             self.phase_duration.labels(phase).set(seconds)
         if self._log is not None:
-            record = metrics.record() | {"phases_s": phases_s, "time": time.time()}
-            self._log.write(json.dumps(record, sort_keys=True) + "\n")
-            self._log.flush()
+            self._log.write(metrics.record(phases_s, time.time()))
 
     def close(self) -> None:
         if self._log is not None:

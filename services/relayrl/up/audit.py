@@ -21,7 +21,6 @@ over, not lost.
 from __future__ import annotations
 
 import bisect
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from relayrl.core.records import EvalRecord, StepRecord, TransferRecord, read_records
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import PartitionSnapshot, TransferQueue
 from relayrl.tq.model import GroupStatus
@@ -78,12 +78,6 @@ class AuditReport:
         }
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 class CommitTimeline:
     """Which version was committed when: version 0 (the initial weights) until the first
     commit, then each committed version until the next commit (a resumed trainer's supersede
@@ -96,8 +90,8 @@ class CommitTimeline:
 
     @classmethod
     def of_run(cls, run_dir: Path) -> CommitTimeline:
-        records = read_jsonl(run_dir / "weightsync" / "transfers.jsonl")
-        return cls([(r["time"], int(r["version"])) for r in records if r["state"] == "committed"])
+        records = read_records(run_dir / "weightsync" / "transfers.jsonl", TransferRecord)
+        return cls([(r.time, r.version) for r in records if r.state == "committed"])
 
     def committed_during(self, start: float, end: float) -> set[int]:
         """Versions that were the committed one at some moment of [start, end]."""
@@ -141,10 +135,10 @@ def audit_run(run_dir: Path) -> AuditReport:
 def _trained_by_step(run_dir: Path, report: AuditReport) -> dict[str, int]:
     """uid -> the step that trained it, from the last record of every step (a step re-run
     after a trainer restart is logged again; its last record is the one that counts)."""
-    final = {int(r["step"]): r for r in read_jsonl(run_dir / "trainer" / "steps.jsonl")}
+    final = {r.step: r for r in read_records(run_dir / "trainer" / "steps.jsonl", StepRecord)}
     trained: dict[str, int] = {}
     for step, record in sorted(final.items()):
-        for uid in record.get("uids", []):
+        for uid in record.uids:
             if uid in trained:
                 report.trained_twice.append(f"{uid}: trained at steps {trained[uid]} and {step}")
             trained[uid] = step
@@ -276,13 +270,15 @@ def _check_spans(t: common_pb2.Trajectory, timeline: CommitTimeline, report: Aud
 
 
 def _check_evaluations(run_dir: Path, timeline: CommitTimeline, report: AuditReport) -> None:
-    for record in read_jsonl(run_dir / "eval.jsonl"):
-        end = float(record.get("time", 0.0)) + CLOCK_SLACK_S
-        start = end - float(record.get("seconds", 0.0)) - 2 * CLOCK_SLACK_S
+    for record in read_records(run_dir / "eval.jsonl", EvalRecord):
+        if record.failed:  # it measured nothing, on no version (-1)
+            continue
+        end = record.time + CLOCK_SLACK_S
+        start = end - record.seconds - 2 * CLOCK_SLACK_S
         committed = timeline.committed_during(start, end)
-        for key in ("version", "version_end"):
-            if key in record and int(record[key]) not in committed:
+        for version in (record.version, record.version_end):
+            if version not in committed:
                 report.stale_served.append(
-                    f"held-out evaluation ({record.get('kind')}, step {record.get('step')}) on "
-                    f"version {record[key]}, committed meanwhile: {sorted(committed)}"
+                    f"held-out evaluation ({record.kind}, step {record.step}) on "
+                    f"version {version}, committed meanwhile: {sorted(committed)}"
                 )

@@ -11,14 +11,13 @@ the display shows what the system did, not what `relayrl up` believes it did.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relayrl.core.records import EvalRecord, RecordFollower, StepRecord, read_records
 from relayrl.trainer.progress import ProgressLog, ProgressRecord
-from relayrl.up.evaluate import read_records
 from relayrl.up.wiring import progress_log
 
 
@@ -44,30 +43,6 @@ def replica_versions(
     return {r.replica_id: (r.version, r.live) for r in reply.replicas}
 
 
-class StepLog:
-    """Reads a JSONL file as it grows (a partly written last line waits for its newline)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-
-    def new_records(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self._offset += end
-        records = []
-        for line in data[:end].splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records
-
-
 class Progress:
     def __init__(
         self, run_dir: Path, stack: Any, total_steps: int, say: Callable[[str], None]
@@ -76,7 +51,7 @@ class Progress:
         self.stack = stack
         self.total_steps = total_steps
         self.say = say
-        self.steps = StepLog(run_dir / "trainer" / "steps.jsonl")
+        self.steps = RecordFollower(run_dir / "trainer" / "steps.jsonl", StepRecord)
         self.waits = ProgressLog(progress_log(run_dir))
         self.stopped: ProgressRecord | None = None
         """The trainer's `stopped` record: why the run could not progress."""
@@ -96,31 +71,31 @@ class Progress:
         if not records:
             return self.completed
         versions = replica_versions(self.stack.target("weightsync"), self.stack.run_dir)
-        evals = [r for r in read_records(self.run_dir / "eval.jsonl")]
+        evals = read_records(self.run_dir / "eval.jsonl", EvalRecord)
         for record in records:
-            self.completed = max(self.completed, int(record["step"]) + 1)
+            self.completed = max(self.completed, record.step + 1)
             self.say(self.line(record, versions, evals[-1] if evals else None))
         return self.completed
 
     def line(
         self,
-        record: dict[str, Any],
+        record: StepRecord,
         versions: dict[str, tuple[int, bool]] | None,
-        last_eval: dict[str, Any] | None,
+        last_eval: EvalRecord | None,
     ) -> str:
         width = len(str(self.total_steps))
-        parts = [f"step {int(record['step']) + 1:>{width}}/{self.total_steps}"]
-        if "reward_mean" in record:
-            parts.append(f"reward {record['reward_mean']:.2f}")
-        if last_eval is not None and last_eval.get("failed"):
-            parts.append(f"held-out FAILED@{last_eval['step']}")
+        parts = [f"step {record.step + 1:>{width}}/{self.total_steps}"]
+        if record.reward_mean is not None:
+            parts.append(f"reward {record.reward_mean:.2f}")
+        if last_eval is not None and last_eval.accuracy is None:
+            parts.append(f"held-out FAILED@{last_eval.step}")
         elif last_eval is not None:
-            parts.append(f"held-out {last_eval['accuracy']:.1%}@{last_eval['step']}")
-        if "staleness_mean" in record:
-            worst = record.get("staleness_max", 0)
-            parts.append(f"staleness {record['staleness_mean']:.1f} (max {worst:.0f})")
-        if "tokens_per_s" in record:
-            parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+            parts.append(f"held-out {last_eval.accuracy:.1%}@{last_eval.step}")
+        if record.staleness_mean is not None:
+            worst = record.staleness_max or 0.0
+            parts.append(f"staleness {record.staleness_mean:.1f} (max {worst:.0f})")
+        if record.tokens_per_s is not None:
+            parts.append(f"{record.tokens_per_s:.0f} tok/s")
         if versions is None:
             parts.append("weight-sync ?")
         else:

@@ -1,17 +1,16 @@
 """The end-of-run report of `relayrl up`: `<run_dir>/report.html`, its PNG plots in
 `<run_dir>/report/`, and a one-paragraph summary (`summary_text`) for stdout.
 
-Inputs, all in the run directory; any of them may be missing, empty or hold corrupt lines (a
-plot without data says so, a corrupt line is skipped and counted in the report):
-    run.json                    {"run_id", "task", "mode", "eta", "steps", "started",
-                                 "finished", ...}; other keys are shown as they are
-    trainer/steps.jsonl         one relayrl.trainer.metrics record per trainer step; a step
-                                logged twice (re-run after a resume) counts with its last record
-    eval.jsonl                  held-out evaluations {"kind": warm_start | periodic | final,
-                                 "step", "version", "n", "correct", "accuracy",
-                                 "sampled_accuracy", "time"}
-    weightsync/transfers.jsonl  one record per weight-sync transfer {"version", "state",
-                                 "durations_s": {boundary: s}, ...}
+Inputs, all in the run directory; any of them may be missing or empty (a plot without data
+says so). The JSONL ones are read by relayrl.core.records.read_records: a torn last line (a
+writer killed in the middle of it) is left out, and an input with any other line that is not a
+record is left out whole and named in the report with that line (`eval.jsonl:3: ...`):
+    run.json                    {"run_id", "task", "mode", "eta", "steps", "warm_started",
+                                 "started", "finished", ...}; other keys are shown as they are
+    trainer/steps.jsonl         StepRecord, one per trainer step; a step logged twice (re-run
+                                after a resume) counts with its last record
+    eval.jsonl                  EvalRecord, one per held-out evaluation
+    weightsync/transfers.jsonl  TransferRecord, one per weight-sync transfer
     reward_timing.jsonl         relayrl.up.timing, computed from the TransferQueue after the run
     trainer/progress.jsonl      relayrl.trainer.progress records: what a step that never
                                 completed had consumed, and why the run stopped
@@ -30,14 +29,23 @@ import html
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from relayrl.core.records import (
+    EvalRecord,
+    Record,
+    RecordError,
+    StepRecord,
+    TransferRecord,
+    read_records,
+)
 from relayrl.trainer.progress import ProgressLog, ProgressRecord
-from relayrl.up.timing import REWARD_TIMING_FILE, RewardTiming, read_jsonl, read_reward_timing
+from relayrl.up.timing import REWARD_TIMING_FILE, RewardTiming
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -60,8 +68,12 @@ FIGSIZE = (8.0, 4.5)
 DPI = 100
 
 
+R = TypeVar("R", bound=Record)
+
+
 def _number(value: object) -> float | None:
-    """A finite float, or None (missing, null, NaN, a string, a bool)."""
+    """A finite float of run.json (an untyped dict), or None (missing, null, NaN, a string, a
+    bool)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
@@ -80,37 +92,27 @@ def _median(values: Sequence[float]) -> float | None:
 
 @dataclass
 class RunInputs:
-    """Everything the report reads, cleaned: records without the fields a plot needs are dropped
-    and counted as corrupt."""
+    """Everything the report reads."""
 
     run: dict[str, Any] = field(default_factory=dict)
-    steps: list[dict[str, Any]] = field(default_factory=list)  # by step, one per step
-    evals: list[dict[str, Any]] = field(default_factory=list)  # by (step, time); "accuracy" set
-    failed_evals: list[dict[str, Any]] = field(default_factory=list)  # {"kind", "step", "error"}
-    transfers: list[dict[str, Any]] = field(default_factory=list)  # by version
+    steps: list[StepRecord] = field(default_factory=list)  # by step, one per step
+    evals: list[EvalRecord] = field(default_factory=list)  # with an accuracy, by (step, time)
+    failed_evals: list[EvalRecord] = field(default_factory=list)  # by (step, time)
+    transfers: list[TransferRecord] = field(default_factory=list)  # by version
     timings: list[RewardTiming] = field(default_factory=list)  # by step
     progress: list[ProgressRecord] = field(default_factory=list)  # the trainer's reports
     missing: list[str] = field(default_factory=list)  # inputs absent or empty
-    corrupt: dict[str, int] = field(default_factory=dict)  # input -> lines skipped
+    unreadable: dict[str, str] = field(default_factory=dict)  # input -> why (`file:line: ...`)
 
 
-def _eval_accuracy(record: dict[str, Any]) -> float | None:
-    accuracy = _number(record.get("accuracy"))
-    if accuracy is None:
-        n, correct = _integer(record.get("n")), _integer(record.get("correct"))
-        if n and correct is not None:
-            accuracy = correct / n
-    return accuracy
-
-
-def _read_records(
-    inputs: RunInputs, run_dir: Path, name: str, usable: Callable[[dict[str, Any]], bool]
-) -> list[dict[str, Any]]:
-    read = read_jsonl(run_dir / name)
-    records = [r for r in read.records if usable(r)]
-    num_corrupt = read.num_corrupt + len(read.records) - len(records)
-    if num_corrupt:
-        inputs.corrupt[name] = num_corrupt
+def _read(inputs: RunInputs, run_dir: Path, name: str, model: type[R]) -> list[R]:
+    """The records of one input; none (and the input named as unreadable, with the line) when
+    a line that is not its torn last line is not a record."""
+    try:
+        records = read_records(run_dir / name, model)
+    except RecordError as exc:
+        inputs.unreadable[name] = str(exc).removeprefix(f"{run_dir}/")
+        return []
     if not records:
         inputs.missing.append(name)
     return records
@@ -124,46 +126,23 @@ def load_inputs(run_dir: Path) -> RunInputs:
         run = json.loads(run_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         run = {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        run = None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        run = f"{RUN_FILE}: {exc}"
     if not isinstance(run, dict):
-        inputs.corrupt[RUN_FILE] = 1
+        inputs.unreadable[RUN_FILE] = run if isinstance(run, str) else f"{RUN_FILE}: not an object"
         run = {}
     if not run:
         inputs.missing.append(RUN_FILE)
     inputs.run = run
 
-    steps = _read_records(
-        inputs, run_dir, STEPS_FILE, lambda r: _integer(r.get("step")) is not None
-    )
-    inputs.steps = sorted({r["step"]: r for r in steps}.values(), key=lambda r: r["step"])
-
-    def usable_eval(record: dict[str, Any]) -> bool:
-        if _integer(record.get("step")) is None:
-            return False
-        if record.get("failed") is True:
-            return True  # a failed evaluation: reported as failed, never as an accuracy
-        accuracy = _eval_accuracy(record)
-        if accuracy is None:
-            return False
-        record["accuracy"] = accuracy
-        return True
-
-    evals = _read_records(inputs, run_dir, EVAL_FILE, usable_eval)
-    evals = sorted(evals, key=lambda r: (r["step"], _number(r.get("time")) or 0.0))
-    inputs.evals = [r for r in evals if r.get("failed") is not True]
-    inputs.failed_evals = [r for r in evals if r.get("failed") is True]
-
-    transfers = _read_records(
-        inputs, run_dir, TRANSFERS_FILE, lambda r: _integer(r.get("version")) is not None
-    )
-    inputs.transfers = sorted(transfers, key=lambda r: r["version"])
-
-    timings, num_corrupt = read_reward_timing(run_dir)
-    if num_corrupt:
-        inputs.corrupt[REWARD_TIMING_FILE] = num_corrupt
-    if not timings:
-        inputs.missing.append(REWARD_TIMING_FILE)
+    steps = _read(inputs, run_dir, STEPS_FILE, StepRecord)
+    inputs.steps = sorted({r.step: r for r in steps}.values(), key=lambda r: r.step)
+    evals = sorted(_read(inputs, run_dir, EVAL_FILE, EvalRecord), key=lambda r: (r.step, r.time))
+    inputs.evals = [r for r in evals if not r.failed]
+    inputs.failed_evals = [r for r in evals if r.failed]
+    transfers = _read(inputs, run_dir, TRANSFERS_FILE, TransferRecord)
+    inputs.transfers = sorted(transfers, key=lambda r: r.version)
+    timings = _read(inputs, run_dir, REWARD_TIMING_FILE, RewardTiming)
     inputs.timings = sorted({t.step: t for t in timings}.values(), key=lambda t: t.step)
     inputs.progress = ProgressLog(run_dir / PROGRESS_FILE).read_all()
     return inputs
@@ -213,82 +192,58 @@ class KeyNumbers:
     trajectories_failed: int | None = None  # put as failed (rollout infrastructure)
 
 
-def transfer_total_s(transfer: dict[str, Any]) -> float | None:
+def transfer_total_s(transfer: TransferRecord) -> float | None:
     """A transfer's duration from its per-boundary durations (see BOUNDARY_ORDER)."""
-    durations = transfer.get("durations_s")
-    if not isinstance(durations, dict):
+    durations = transfer.durations_s
+    if not durations:
         return None
-    values = {k: x for k, v in durations.items() if (x := _number(v)) is not None}
-    if not values:
-        return None
-    skip = INSIDE_PAUSE_WINDOW if "pause_window" in values else frozenset()
-    return sum(v for k, v in values.items() if k not in skip)
+    skip = INSIDE_PAUSE_WINDOW if "pause_window" in durations else frozenset()
+    return sum(v for k, v in durations.items() if k not in skip)
 
 
-def _staleness(steps: list[dict[str, Any]]) -> tuple[float | None, int | None]:
-    histogram: dict[int, int] = {}
+def _staleness_histogram(steps: list[StepRecord]) -> Counter[int]:
+    """Trained groups by staleness, over every step."""
+    histogram: Counter[int] = Counter()
     for record in steps:
-        for key, count in _histogram(record).items():
-            histogram[key] = histogram.get(key, 0) + count
-    if histogram and sum(histogram.values()):
-        total = sum(histogram.values())
-        return sum(k * n for k, n in histogram.items()) / total, max(histogram)
-    means = [v for r in steps if (v := _number(r.get("staleness_mean"))) is not None]
-    maxima = [v for r in steps if (v := _number(r.get("staleness_max"))) is not None]
-    return (
-        statistics.fmean(means) if means else None,
-        int(max(maxima)) if maxima else None,
-    )
+        histogram.update(record.staleness_histogram)
+    return histogram
 
 
-def _histogram(record: dict[str, Any]) -> dict[int, int]:
-    raw = record.get("staleness_histogram")
-    if not isinstance(raw, dict):
-        return {}
-    out = {}
-    for key, count in raw.items():
-        try:
-            staleness = int(key)
-        except ValueError:
-            continue
-        if (n := _integer(count)) is not None and n > 0:
-            out[staleness] = n
-    return out
+def _staleness(steps: list[StepRecord]) -> tuple[float | None, int | None]:
+    histogram = _staleness_histogram(steps)
+    total = histogram.total()
+    if not total:
+        return None, None
+    return sum(k * n for k, n in histogram.items()) / total, max(histogram)
 
 
-def _evals(evals: list[dict[str, Any]]) -> dict[str, Any]:
-    warm = next((e for e in evals if e.get("kind") == "warm_start"), None)
-    finals = [e for e in evals if e.get("kind") == "final"]
+def _evals(evals: list[EvalRecord]) -> dict[str, Any]:
+    warm = next((e for e in evals if e.kind == "warm_start"), None)
+    finals = [e for e in evals if e.kind == "final"]
     final = finals[-1] if finals else None
     if final is None:
-        later = [e for e in evals if e is not warm and (warm is None or e["step"] > warm["step"])]
+        later = [e for e in evals if e is not warm and (warm is None or e.step > warm.step)]
         final = later[-1] if later else None
     out: dict[str, Any] = {}
     if warm is not None:
-        out["warm_start_accuracy"] = warm["accuracy"]
-        out["warm_start_sampled_accuracy"] = _number(warm.get("sampled_accuracy"))
+        out["warm_start_accuracy"] = warm.accuracy
+        out["warm_start_sampled_accuracy"] = warm.sampled_accuracy
     if final is not None:
-        out["final_accuracy"] = final["accuracy"]
-        out["final_sampled_accuracy"] = _number(final.get("sampled_accuracy"))
-        out["final_eval_kind"] = "final" if final.get("kind") == "final" else "periodic"
-        out["final_eval_step"] = final["step"]
+        out["final_accuracy"] = final.accuracy
+        out["final_sampled_accuracy"] = final.sampled_accuracy
+        out["final_eval_kind"] = "final" if final.kind == "final" else "periodic"
+        out["final_eval_step"] = final.step
     if warm is not None and final is not None:
-        out["accuracy_gain_points"] = (final["accuracy"] - warm["accuracy"]) * 100
+        assert warm.accuracy is not None and final.accuracy is not None  # not failed
+        out["accuracy_gain_points"] = (final.accuracy - warm.accuracy) * 100
     reference = final or warm
     if reference is not None:
-        out["eval_n"] = _integer(reference.get("n"))
+        out["eval_n"] = reference.n
     return out
 
 
-def _groups_trained(steps: list[dict[str, Any]]) -> int | None:
-    trained: int | None = None
-    for record in steps:
-        uids, verdicts = record.get("uids"), record.get("groups")
-        verdicts = verdicts if isinstance(verdicts, dict) else {}
-        kept = len(uids) if isinstance(uids, list) else _integer(verdicts.get("keep"))
-        if kept is not None:
-            trained = (trained or 0) + kept
-    return trained
+def _groups_trained(steps: list[StepRecord]) -> int | None:
+    return sum(len(record.uids) for record in steps) if steps else None
 
 
 @dataclass
@@ -302,29 +257,32 @@ class _Tally:
     failures: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)  # generated, by verdict
 
-    def add(self, rejected: object, no_signal: object, failures: object, tokens: object) -> None:
+    def add(
+        self,
+        rejected: dict[str, int],
+        no_signal: dict[str, int],
+        failures: dict[str, int],
+        tokens: dict[str, int],
+    ) -> None:
         for into, counts in (
             (self.rejected, rejected), (self.no_signal, no_signal), (self.failures, failures),
         ):  # fmt: skip
-            for key, n in (counts if isinstance(counts, dict) else {}).items():
-                if key != "keep" and (n := _integer(n)):
+            for key, n in counts.items():
+                if key != "keep" and n:
                     into[key] = into.get(key, 0) + n
-        for key, n in (tokens if isinstance(tokens, dict) else {}).items():
-            if n := _integer(n):
+        for key, n in tokens.items():
+            if n:
                 self.tokens[key] = self.tokens.get(key, 0) + n
 
 
-def _tally(steps: list[dict[str, Any]], progress: list[ProgressRecord]) -> _Tally:
+def _tally(steps: list[StepRecord], progress: list[ProgressRecord]) -> _Tally:
     """Every step's record, and the trainer's last report of a step that never completed."""
     tally = _Tally()
     for record in steps:
-        tally.add(
-            record.get("groups"), record.get("no_signal"), record.get("failures"),
-            record.get("generated_tokens"),
-        )  # fmt: skip
-        tally.rollouts += _integer(round(_number(record.get("rollouts")) or 0)) or 0
-        tally.failed += _integer(round(_number(record.get("failed_rollouts")) or 0)) or 0
-    done = max((r["step"] for r in steps), default=-1)
+        tally.add(record.groups, record.no_signal, record.failures, record.generated_tokens)
+        tally.rollouts += round(record.rollouts or 0)
+        tally.failed += round(record.failed_rollouts or 0)
+    done = max((r.step for r in steps), default=-1)
     pending = [r for r in progress if r.step > done]
     if pending:
         last = pending[-1]
@@ -342,19 +300,19 @@ def _duration_s(run: dict[str, Any]) -> float | None:
 
 
 def start_label(run: dict[str, Any]) -> str:
-    """Version 0 of a run: its warm start, or the model it was given (run.json `warm_started`,
-    absent in runs from before it existed, which all warm-started)."""
-    return "warm start" if run.get("warm_started", True) else "start"
+    """Version 0 of a run: its warm start, or the model it was given (run.json
+    `warm_started`)."""
+    return "warm start" if run.get("warm_started") is True else "start"
 
 
 def key_numbers(inputs: RunInputs) -> KeyNumbers:
     steps = inputs.steps
-    rewards = [v for r in steps if (v := _number(r.get("reward_mean"))) is not None]
+    rewards = [r.reward_mean for r in steps if r.reward_mean is not None]
     k = max(1, math.ceil(len(rewards) / 10)) if rewards else 0
     staleness_mean, staleness_max = _staleness(steps)
-    committed = [t for t in inputs.transfers if t.get("state", "committed") == "committed"]
+    committed = [t for t in inputs.transfers if t.state == "committed"]
     sync_s = [v for t in committed if (v := transfer_total_s(t)) is not None]
-    tokens = [v for r in steps if (v := _number(r.get("trained_tokens"))) is not None]
+    tokens = [r.trained_tokens for r in steps if r.trained_tokens is not None]
     groups_trained = _groups_trained(steps)
     tally = _tally(steps, inputs.progress)
     stopped = [r for r in inputs.progress if r.kind == "stopped"]
@@ -369,12 +327,10 @@ def key_numbers(inputs: RunInputs) -> KeyNumbers:
         reward_last=statistics.fmean(rewards[-k:]) if rewards else None,
         staleness_mean=staleness_mean,
         staleness_max=staleness_max,
-        tokens_per_s_median=_median(
-            [v for r in steps if (v := _number(r.get("tokens_per_s"))) is not None]
-        ),
+        tokens_per_s_median=_median([r.tokens_per_s for r in steps if r.tokens_per_s is not None]),
         weight_sync_median_s=_median(sync_s),
         num_transfers_committed=len(committed),
-        num_transfers_failed=sum(t.get("state") == "failed" for t in inputs.transfers),
+        num_transfers_failed=sum(t.state == "failed" for t in inputs.transfers),
         t_collect_median_s=_median([t.t_collect_s for t in timings if t.t_collect_s is not None]),
         overlap_median=_median([t.overlap_ratio for t in timings if t.overlap_ratio is not None]),
         groups_trained=groups_trained,
@@ -391,8 +347,7 @@ def key_numbers(inputs: RunInputs) -> KeyNumbers:
         ),
         stop_cause=stopped[-1].cause if stopped else None,
         failed_evals=[
-            f"{r.get('kind', 'evaluation')} at step {r['step']}: {r.get('error', '')}".rstrip(": ")
-            for r in inputs.failed_evals
+            f"{r.kind} at step {r.step}: {r.error}".rstrip(": ") for r in inputs.failed_evals
         ],
         trained_tokens=sum(tokens) if tokens else None,
         trajectories_trained=sum(t.num_scored for t in timings) if timings else None,
@@ -415,17 +370,13 @@ class Report:
     eta: float | None
     configured_steps: int | None
     numbers: KeyNumbers
-    missing_inputs: list[str]  # inputs absent or without a usable record
-    corrupt_lines: dict[str, int]  # input -> lines skipped
-
-    @property
-    def num_corrupt_lines(self) -> int:
-        return sum(self.corrupt_lines.values())
+    missing_inputs: list[str]  # inputs absent or empty
+    unreadable: dict[str, str]  # input -> the line that is not a record (`file:line: why`)
 
 
 def write_report(run_dir: Path) -> Report:
     """Reads the run directory, draws the plots into `run_dir/report/` and writes
-    `run_dir/report.html`. Missing or corrupt inputs never fail it."""
+    `run_dir/report.html`. Missing or unreadable inputs never fail it."""
     run_dir = Path(run_dir)
     inputs = load_inputs(run_dir)
     plots, no_data = draw_plots(inputs, run_dir / PLOT_DIR)
@@ -443,7 +394,7 @@ def write_report(run_dir: Path) -> Report:
         configured_steps=_integer(run.get("steps")),
         numbers=key_numbers(inputs),
         missing_inputs=inputs.missing,
-        corrupt_lines=inputs.corrupt,
+        unreadable=inputs.unreadable,
     )
     report.html_path.write_text(render_html(report, run), encoding="utf-8")
     return report
@@ -492,7 +443,7 @@ def _accuracy_clause(n: KeyNumbers) -> str | None:
     return None
 
 
-def _clauses(n: KeyNumbers, num_corrupt: int) -> list[str]:
+def _clauses(n: KeyNumbers, unreadable: dict[str, str]) -> list[str]:
     clauses = []
     if (accuracy := _accuracy_clause(n)) is not None:
         clauses.append(accuracy)
@@ -530,8 +481,11 @@ def _clauses(n: KeyNumbers, num_corrupt: int) -> list[str]:
     clauses.append(_failed_clause(n))
     if n.stop_cause is not None:
         clauses.append(f"stopped: {n.stop_cause}")
-    if num_corrupt:
-        clauses.append(f"{num_corrupt} corrupt log line{'s' * (num_corrupt != 1)} skipped")
+    if unreadable:
+        clauses.append(
+            f"{len(unreadable)} input{'s' * (len(unreadable) != 1)} left out as unreadable "
+            f"({'; '.join(unreadable[name] for name in sorted(unreadable))})"
+        )
     return clauses
 
 
@@ -579,7 +533,7 @@ def summary_text(report: Report) -> str:
             text += f" (η={_eta(report.eta)})"
     if n.duration_s is not None:
         text += f" in {_duration(n.duration_s)}"
-    clauses = _clauses(n, report.num_corrupt_lines)
+    clauses = _clauses(n, report.unreadable)
     return text + (": " + "; ".join(clauses) if clauses else "") + "."
 
 
@@ -689,11 +643,13 @@ def _no_data(ax: Any, reason: str = "") -> None:
     ax.tick_params(bottom=False, left=False, labelbottom=False, labelleft=False)
 
 
-def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def _series(
+    records: list[StepRecord], value: Callable[[StepRecord], float | None]
+) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in records:
-        if (v := _number(r.get(key))) is not None:
-            xs.append(r["step"])
+        if (v := value(r)) is not None:
+            xs.append(r.step)
             ys.append(v)
     return xs, ys
 
@@ -704,10 +660,10 @@ def _style(n: int) -> dict[str, Any]:
 
 def plot_reward_accuracy(fig: Figure, inputs: RunInputs) -> bool:
     top, bottom = fig.subplots(2, 1, sharex=True)
-    xs, ys = _series(inputs.steps, "reward_mean")
+    xs, ys = _series(inputs.steps, lambda r: r.reward_mean)
     if xs:
         top.plot(xs, ys, color="tab:blue", label="reward_mean", **_style(len(xs)))
-        std_x, std = _series(inputs.steps, "reward_std")
+        std_x, std = _series(inputs.steps, lambda r: r.reward_std)
         if std_x == xs:
             lo = [y - s for y, s in zip(ys, std, strict=True)]
             hi = [y + s for y, s in zip(ys, std, strict=True)]
@@ -719,19 +675,17 @@ def plot_reward_accuracy(fig: Figure, inputs: RunInputs) -> bool:
         _no_data(top, f"{STEPS_FILE}: no reward_mean")
     evals = inputs.evals
     if evals:
-        steps = [e["step"] for e in evals]
+        steps = [e.step for e in evals]
         bottom.plot(
             steps,
-            [e["accuracy"] * 100 for e in evals],
+            [(e.accuracy or 0.0) * 100 for e in evals],
             color="tab:green",
             marker="o",
             markersize=4,
             label="held-out accuracy (greedy)",
         )
         sampled = [
-            (e["step"], v * 100)
-            for e in evals
-            if (v := _number(e.get("sampled_accuracy"))) is not None
+            (e.step, e.sampled_accuracy * 100) for e in evals if e.sampled_accuracy is not None
         ]
         if sampled:
             bottom.plot(
@@ -743,8 +697,8 @@ def plot_reward_accuracy(fig: Figure, inputs: RunInputs) -> bool:
             )
         first = start_label(inputs.run)
         for kind, marker, label in (("warm_start", "*", first), ("final", "s", "final")):
-            for marked in (e for e in evals if e.get("kind") == kind):
-                point = (marked["step"], marked["accuracy"] * 100)
+            for marked in (e for e in evals if e.kind == kind):
+                point = (marked.step, (marked.accuracy or 0.0) * 100)
                 bottom.plot(*point, marker=marker, markersize=12, color="tab:red", linestyle="none")
                 bottom.annotate(
                     f"{label} {point[1]:.1f}%",
@@ -768,10 +722,7 @@ def plot_reward_accuracy(fig: Figure, inputs: RunInputs) -> bool:
 
 def plot_staleness(fig: Figure, inputs: RunInputs) -> bool:
     ax = fig.subplots()
-    histogram: dict[int, int] = {}
-    for record in inputs.steps:
-        for key, count in _histogram(record).items():
-            histogram[key] = histogram.get(key, 0) + count
+    histogram = _staleness_histogram(inputs.steps)
     if not histogram:
         _no_data(ax, f"{STEPS_FILE}: no staleness_histogram")
         return False
@@ -788,11 +739,12 @@ def plot_staleness(fig: Figure, inputs: RunInputs) -> bool:
 def plot_log_ratio(fig: Figure, inputs: RunInputs) -> bool:
     ax = fig.subplots()
     drawn = False
-    for key, label, color in (
-        ("abs_log_ratio_mean", "mean", "tab:blue"),
-        ("abs_log_ratio_p99", "p99", "tab:orange"),
+    value: Callable[[StepRecord], float | None]
+    for value, label, color in (
+        (lambda r: r.abs_log_ratio_mean, "mean", "tab:blue"),
+        (lambda r: r.abs_log_ratio_p99, "p99", "tab:orange"),
     ):
-        xs, ys = _series(inputs.steps, key)
+        xs, ys = _series(inputs.steps, value)
         if xs:
             ax.plot(xs, ys, label=label, color=color, **_style(len(xs)))
             drawn = True
@@ -819,7 +771,7 @@ def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
 
 def plot_tokens_per_s(fig: Figure, inputs: RunInputs) -> bool:
     ax = fig.subplots()
-    xs, ys = _series(inputs.steps, "tokens_per_s")
+    xs, ys = _series(inputs.steps, lambda r: r.tokens_per_s)
     if not xs:
         _no_data(ax, f"{STEPS_FILE}: no tokens_per_s")
         return False
@@ -832,29 +784,25 @@ def plot_tokens_per_s(fig: Figure, inputs: RunInputs) -> bool:
 
 def plot_weight_sync(fig: Figure, inputs: RunInputs) -> bool:
     ax = fig.subplots()
-    committed = [t for t in inputs.transfers if t.get("state", "committed") == "committed"]
+    committed = [t for t in inputs.transfers if t.state == "committed"]
     boundaries: set[str] = set()
     for t in committed:
-        if isinstance(t.get("durations_s"), dict):
-            boundaries.update(t["durations_s"])
+        boundaries.update(t.durations_s)
     order = [b for b in BOUNDARY_ORDER if b in boundaries] + sorted(
         boundaries - set(BOUNDARY_ORDER)
     )
     drawn = False
     for boundary in order:
         points = [
-            (t["version"], v)
-            for t in committed
-            if isinstance(t.get("durations_s"), dict)
-            and (v := _number(t["durations_s"].get(boundary))) is not None
+            (t.version, t.durations_s[boundary]) for t in committed if boundary in t.durations_s
         ]
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=boundary)
             drawn = True
-    totals = [(t["version"], v) for t in committed if (v := transfer_total_s(t)) is not None]
+    totals = [(t.version, v) for t in committed if (v := transfer_total_s(t)) is not None]
     if len(order) > 1 and totals:
         ax.plot(*zip(*totals, strict=True), color="black", linewidth=2, label="total")
-    failed = [t["version"] for t in inputs.transfers if t.get("state") == "failed"]
+    failed = [t.version for t in inputs.transfers if t.state == "failed"]
     for i, version in enumerate(failed):
         ax.axvline(version, color="tab:red", linestyle=":", label="failed" if i == 0 else None)
     if not drawn and not failed:
@@ -973,14 +921,11 @@ def _notices(report: Report) -> str:
     if report.missing_inputs:
         names = ", ".join(f"<code>{e(m)}</code>" for m in report.missing_inputs)
         lines.append(f"Missing or empty inputs: {names}.")
-    if report.corrupt_lines:
-        items = ", ".join(
-            f"<code>{e(name)}</code> {n}" for name, n in sorted(report.corrupt_lines.items())
+    if report.unreadable:
+        items = "; ".join(
+            f"<code>{e(report.unreadable[name])}</code>" for name in sorted(report.unreadable)
         )
-        lines.append(
-            f"Skipped {report.num_corrupt_lines} corrupt or unusable line"
-            f"{'s' * (report.num_corrupt_lines != 1)}: {items}."
-        )
+        lines.append(f"Left out as unreadable (a line that is not a record): {items}.")
     if not lines:
         return ""
     return '<div class="notice">' + "<br>\n".join(lines) + "</div>\n"

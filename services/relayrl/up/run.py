@@ -29,9 +29,10 @@ from typing import Any
 import yaml
 
 from relayrl.core.atomic import atomic_write_text
+from relayrl.core.records import EvalRecord, StepRecord, append_record, read_records
 from relayrl.trainer.progress import EXIT_NO_PROGRESS as TRAINER_NO_PROGRESS
 from relayrl.up.config import UpConfig
-from relayrl.up.evaluate import EvalRecord, Evaluator, append_record, read_records
+from relayrl.up.evaluate import Evaluator
 from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
 from relayrl.up.progress import Progress
 from relayrl.up.secrets import operator_identity
@@ -249,9 +250,7 @@ class Run:
 
     def _evaluated(self, kind: str) -> bool:
         """Whether this run (before a resume, too) has a good evaluation of `kind`."""
-        return any(
-            r.get("kind") == kind and not r.get("failed") for r in read_records(self.eval_log)
-        )
+        return any(r.kind == kind and not r.failed for r in read_records(self.eval_log, EvalRecord))
 
     def _start_eval(self, kind: str, step: int) -> None:
         """An evaluation beside training (it talks to the engine alongside rollouts)."""
@@ -332,13 +331,12 @@ class Run:
 
     def _reward_timing(self, stack: Stack) -> None:
         from relayrl.tq import TQConfig, TransferQueue
-        from relayrl.up.progress import StepLog
         from relayrl.up.secrets import with_redis_password
         from relayrl.up.stack import NAMESPACE
         from relayrl.up.timing import reward_timing, write_reward_timing
 
-        records = StepLog(self.run_dir / "trainer" / "steps.jsonl").new_records()
-        steps = [(int(r["step"]), list(r.get("uids", []))) for r in records]
+        records = read_records(self.run_dir / "trainer" / "steps.jsonl", StepRecord)
+        steps = [(r.step, r.uids) for r in records]
         if not steps or not stack.children["redis"].alive():
             return
         url = with_redis_password(stack.redis_url, self.run_dir)

@@ -147,12 +147,15 @@ def _queue_lines(stack: dict[str, Any]) -> list[str]:
 
 
 def _eval_lines(run_dir: Path) -> list[str]:
-    from relayrl.up.evaluate import read_records
+    from relayrl.core.records import EvalRecord, read_records
 
-    records = read_records(run_dir / "eval.jsonl")
+    records = read_records(run_dir / "eval.jsonl", EvalRecord)
     if not records:
         return []
-    text = ", ".join(f"{r['accuracy']:.1%}@{r['step']}" for r in records[-6:])
+    text = ", ".join(
+        f"FAILED@{r.step}" if r.accuracy is None else f"{r.accuracy:.1%}@{r.step}"
+        for r in records[-6:]
+    )
     return [f"held-out: {text} (greedy accuracy at trainer step)"]
 
 

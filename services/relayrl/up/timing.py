@@ -22,13 +22,12 @@ trajectory (none of its events survive, or every one failed) has neither number.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from relayrl.core.records import Record, StepRecord, read_records
 
 if TYPE_CHECKING:  # the report reads files only: no Redis client to import for it
     from relayrl.tq import TransferQueue
@@ -42,41 +41,9 @@ PAGE_SIZE = 10_000
 _ROLLOUT_ENDS = frozenset({"finished", "failed"})
 
 
-@dataclass(frozen=True)
-class JsonlRecords:
-    """The records of a JSONL file: every line that parses to a JSON object, in order."""
-
-    records: list[dict[str, Any]]
-    num_corrupt: int  # lines that are not a JSON object (a torn last line, garbage)
-    exists: bool
-
-
-def read_jsonl(path: Path) -> JsonlRecords:
-    """Reads a JSONL log, skipping (and counting) corrupt lines; blank lines are ignored and a
-    missing file has no records."""
-    if not path.is_file():
-        return JsonlRecords([], 0, exists=False)
-    records: list[dict[str, Any]] = []
-    num_corrupt = 0
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                num_corrupt += 1
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-            else:
-                num_corrupt += 1
-    return JsonlRecords(records, num_corrupt, exists=True)
-
-
-@dataclass(frozen=True)
-class RewardTiming:
-    """Reward timing of one trainer step. Times are unix seconds (ms resolution)."""
+class RewardTiming(Record):
+    """Reward timing of one trainer step (a line of `reward_timing.jsonl`). Times are unix
+    seconds (ms resolution)."""
 
     step: int
     num_groups: int
@@ -89,30 +56,6 @@ class RewardTiming:
     last_scored_time: float | None
     t_collect_s: float | None
     overlap_ratio: float | None
-
-    def record(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> RewardTiming:
-        """The inverse of record(); raises ValueError for a record that is not one."""
-        names = {f.name for f in fields(cls)}
-        if not isinstance(record.get("step"), int):
-            raise ValueError(f"reward timing record without an integer step: {record!r}")
-        values = {k: v for k, v in record.items() if k in names}
-        for f in fields(cls):
-            value = values.get(f.name)
-            if f.name.startswith("num_"):
-                values[f.name] = int(value or 0)
-            elif f.name != "step":
-                values[f.name] = _finite(value)
-        return cls(**values)
-
-
-def _finite(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 def step_timing(
@@ -204,36 +147,23 @@ def reward_timing(
 
 
 def steps_from_log(path: Path) -> list[tuple[int, list[str]]]:
-    """(step, trained group uids) of every record of a trainer steps.jsonl that has them."""
-    out = []
-    for record in read_jsonl(path).records:
-        step, uids = record.get("step"), record.get("uids")
-        if isinstance(step, int) and isinstance(uids, list):
-            out.append((step, [u for u in uids if isinstance(u, str)]))
-    return out
+    """(step, trained group uids) of every record of a trainer steps.jsonl."""
+    return [(record.step, record.uids) for record in read_records(path, StepRecord)]
 
 
 def write_reward_timing(run_dir: Path, timings: Sequence[RewardTiming]) -> Path:
-    """Writes `run_dir/reward_timing.jsonl`, one RewardTiming.record() per line."""
+    """Writes `run_dir/reward_timing.jsonl`, one RewardTiming per line."""
     path = run_dir / REWARD_TIMING_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for timing in timings:
-            f.write(json.dumps(timing.record(), sort_keys=True) + "\n")
+            f.write(timing.to_line() + "\n")
     return path
 
 
-def read_reward_timing(run_dir: Path) -> tuple[list[RewardTiming], int]:
-    """The records of `run_dir/reward_timing.jsonl` and the number of corrupt lines skipped."""
-    read = read_jsonl(run_dir / REWARD_TIMING_FILE)
-    timings = []
-    num_corrupt = read.num_corrupt
-    for record in read.records:
-        try:
-            timings.append(RewardTiming.from_record(record))
-        except (TypeError, ValueError):
-            num_corrupt += 1
-    return timings, num_corrupt
+def read_reward_timing(run_dir: Path) -> list[RewardTiming]:
+    """The records of `run_dir/reward_timing.jsonl` (relayrl.core.records.read_records)."""
+    return read_records(run_dir / REWARD_TIMING_FILE, RewardTiming)
 
 
 def collect_reward_timing(tq: TransferQueue, partition: str, run_dir: Path) -> Path:

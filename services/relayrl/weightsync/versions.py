@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import mmap
 import time
@@ -20,8 +19,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from relayrl.core.records import TransferRecord, append_record
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.transfer.delta import DeltaError
@@ -435,26 +435,24 @@ class Versions:
         self._metrics.boundary_duration.labels(boundary).observe(seconds)
         transfer.durations_s[boundary] = max(seconds, transfer.durations_s.get(boundary, 0.0))
 
-    def _log_transfer(self, transfer: Transfer, state: str) -> None:
+    def _log_transfer(self, transfer: Transfer, state: Literal["committed", "failed"]) -> None:
         """One line of `metrics_log` per finished transfer (never fails the transfer)."""
         path = self._config.metrics_log
         if path is None:
             return
-        record = {
-            "version": transfer.version,
-            "trainer_step": transfer.trainer_step,
-            "state": state,
-            "transport": self._config.data_plane.transport,
-            "bytes": transfer.num_bytes,
-            "replicas": list(transfer.replica_ids),
-            "durations_s": {k: round(v, 6) for k, v in transfer.durations_s.items()},
-            "error": transfer.error,
-            "time": time.time(),
-        }
+        record = TransferRecord(
+            version=transfer.version,
+            trainer_step=transfer.trainer_step,
+            state=state,
+            transport=self._config.data_plane.transport,
+            bytes=transfer.num_bytes,
+            replicas=list(transfer.replica_ids),
+            durations_s={k: round(v, 6) for k, v in transfer.durations_s.items()},
+            error=transfer.error,
+            time=time.time(),
+        )
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a", encoding="utf-8") as log:
-                log.write(json.dumps(record, sort_keys=True) + "\n")
+            append_record(path, record)
         except OSError as exc:
             logger.warning("cannot write metrics_log %s: %s", path, exc)
 

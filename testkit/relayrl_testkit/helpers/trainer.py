@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from relayrl.core.records import StepRecord, read_records
 from relayrl.core.service_process import ServiceProcess
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
@@ -210,10 +211,9 @@ def trainer_config(redis: RedisServer, model_dir: Path, tmp_path: Path, **over) 
     return config
 
 
-def steps_logged(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def steps_logged(path: Path) -> list[StepRecord]:
+    """The trainer's step log so far (a line still being written is not there yet)."""
+    return read_records(path, StepRecord)
 
 
 def wait_exit(trainer: ServiceProcess, timeout_s: float) -> int:

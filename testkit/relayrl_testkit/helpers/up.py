@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import yaml
 
+from relayrl.core.records import StepRecord, read_records
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
@@ -234,11 +235,9 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def steps_logged(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "trainer" / "steps.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def steps_logged(run_dir: Path) -> list[StepRecord]:
+    """The run's trainer step log so far (a line still being written is not there yet)."""
+    return read_records(run_dir / "trainer" / "steps.jsonl", StepRecord)
 
 
 def wait_for_steps(up: UpProcess, n: int, timeout_s: float) -> None:
@@ -247,7 +246,7 @@ def wait_for_steps(up: UpProcess, n: int, timeout_s: float) -> None:
         if up.process.poll() is not None:
             raise AssertionError(f"relayrl up exited {up.process.returncode}:\n{up.output()}")
         try:
-            if len({r["step"] for r in steps_logged(up.run_dir)}) >= n:
+            if len({r.step for r in steps_logged(up.run_dir)}) >= n:
                 return
         except AssertionError:
             pass
@@ -343,9 +342,9 @@ def audit_queue(run_dir: Path) -> Audit:
         server.stop()
 
 
-def final_step_records(run_dir: Path) -> dict[int, dict[str, Any]]:
+def final_step_records(run_dir: Path) -> dict[int, StepRecord]:
     """The last record of each step (a step retried after a trainer crash is logged twice)."""
-    return {int(r["step"]): r for r in steps_logged(run_dir)}
+    return {r.step: r for r in steps_logged(run_dir)}
 
 
 def check_exactly_once(run_dir: Path, audit: Audit) -> None:
@@ -354,7 +353,7 @@ def check_exactly_once(run_dir: Path, audit: Audit) -> None:
     records = final_step_records(run_dir)
     trained: dict[str, int] = {}
     for step, record in records.items():
-        for uid in record["uids"]:
+        for uid in record.uids:
             assert uid not in trained, f"{uid} trained at steps {trained[uid]} and {step}"
             trained[uid] = step
     consumed = audit.consumed_at()

@@ -115,7 +115,8 @@ def test_tp2_trainer_ranks_send_to_two_replicas(
         # both ranks pushed their share of the buckets, one stream each
         assert weightsync.log().count("WeightSync/PushBuckets code=OK") == 2
     record = steps_logged(tmp_path / "steps.jsonl")[0]
-    assert 0 < record["publish_sent_bytes"] < record["publish_bytes"]  # rank 0's share
+    assert record.publish_sent_bytes is not None and record.publish_bytes is not None
+    assert 0 < record.publish_sent_bytes < record.publish_bytes  # rank 0's share
     assert version.committed.version == 1
     assert sorted((r.replica_id, r.version, r.live) for r in version.replicas) == [
         ("engine-0", 1, True),
@@ -138,6 +139,6 @@ def test_a_research_lag_holds_the_engine_exactly_that_many_versions_back(
         assert committed(weightsync).committed.version == 5
     commits = [int(x.split()[1]) for x in re.findall(r"version \d+ committed", log)]
     assert commits == [1, 2, 3, 5]
-    published = [r.get("publish_bytes", 0) > 0 for r in steps_logged(tmp_path / "steps.jsonl")]
+    published = [(r.publish_bytes or 0) > 0 for r in steps_logged(tmp_path / "steps.jsonl")]
     assert published == [False, False, True, True, True]  # steps 0 and 1 sent nothing
     assert engine_state(engine)[0] == "5"

@@ -62,13 +62,13 @@ def test_a_plain_openai_program_that_never_closes_its_session_trains_unchanged(
     assert f"trained arith for {steps} steps" in output, output
 
     records = steps_logged(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
-    assert all(len(record["uids"]) == groups for record in records), records  # kept groups
+    assert [r.step for r in records] == list(range(steps))
+    assert all(len(record.uids) == groups for record in records), records  # kept groups
     audit = audit_queue(run_dir)
     check_exactly_once(run_dir, audit)
     infra = audit.infra_trajectories()
     assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
-    for uid in {uid for record in records for uid in record["uids"]}:
+    for uid in {uid for record in records for uid in record.uids}:
         entry = audit.groups[uid]
         assert entry.group.agent == "external"
         assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
@@ -107,7 +107,7 @@ def test_a_verifiers_environment_scores_what_the_trainer_trains_on(
     assert "held-out evaluation: off" in output, output  # nothing but the environment can judge
 
     records = steps_logged(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
+    assert [r.step for r in records] == list(range(steps))
     audit = audit_queue(run_dir)
     check_exactly_once(run_dir, audit)
     infra = audit.infra_trajectories()
@@ -116,7 +116,7 @@ def test_a_verifiers_environment_scores_what_the_trainer_trains_on(
     rewards = []
     for record in records:
         scores = []
-        for uid in record["uids"]:
+        for uid in record.uids:
             entry = audit.groups[uid]
             assert (
                 entry.group.agent == "external" and entry.group.data_source == "verifiers/vf-arith"
@@ -135,7 +135,7 @@ def test_a_verifiers_environment_scores_what_the_trainer_trains_on(
                 assert trajectory.reward.score == env.score
                 scores.append(trajectory.reward.score)
         # the trainer's step trained on exactly those rewards
-        assert record["reward_mean"] == pytest.approx(np.mean(scores), abs=1e-6), record["step"]
+        assert record.reward_mean == pytest.approx(np.mean(scores), abs=1e-6), record.step
         rewards += scores
     assert max(rewards) > 0.0  # the rubric's brevity term rewards every reply a little
     assert processes_of(run_dir) == [] and running(VERIFIERS_AGENT) == []

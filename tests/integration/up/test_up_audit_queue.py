@@ -68,7 +68,9 @@ class Run:
 
     def trained(self, steps: dict[int, list[str]]) -> None:
         (self.dir / "trainer").mkdir()
-        lines = [json.dumps({"step": step, "uids": uids}) for step, uids in steps.items()]
+        lines = [
+            json.dumps({"step": step, "uids": uids, "time": 0.0}) for step, uids in steps.items()
+        ]
         (self.dir / "trainer" / "steps.jsonl").write_text("\n".join(lines) + "\n")
 
     def stop(self) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.core.records import EvalRecord, read_records
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.up.audit import audit_run, read_jsonl
+from relayrl.up.audit import audit_run
 from relayrl_testkit.helpers.up import audit_queue, check_exactly_once, processes_of
 
 REPO = Path(__file__).parents[3]
@@ -111,9 +112,9 @@ def test_every_part_killed_during_a_run_loses_nothing_and_serves_nothing_stale(
     # ran on it (at its start or its end)
     on_gone = sum(
         1
-        for e in read_jsonl(doctored / "eval.jsonl")
-        for key in ("version", "version_end")
-        if key in e and int(e[key]) == gone
+        for e in read_records(doctored / "eval.jsonl", EvalRecord)
+        for version in (e.version, e.version_end)
+        if version == gone
     )
     assert len(report.stale_served) == served[gone] + on_gone, report.stale_served
     spans = [line for line in report.stale_served if not line.startswith("held-out evaluation")]

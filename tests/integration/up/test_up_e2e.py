@@ -89,7 +89,7 @@ def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> 
 
     # the queue: every trained group consumed exactly once, at its step; nothing infra
     records = steps_logged(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
+    assert [r.step for r in records] == list(range(steps))
     audit = audit_queue(run_dir)
     check_exactly_once(run_dir, audit)
     infra = audit.infra_trajectories()
@@ -97,7 +97,7 @@ def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> 
     assert audit.statuses["GROUP_STATUS_FAILED"] == 0, audit.statuses
     assert all(v == 1 for v in audit.consume_events.values()), audit.consume_events
     expected_staleness_max = {"sync": 1, "colocate_async": 2, "separate_async": 2}[mode]
-    assert max(r["staleness_max"] for r in records) <= expected_staleness_max
+    assert max(r.staleness_max or 0.0 for r in records) <= expected_staleness_max
 
     # every service served its series (scraped from its /metrics endpoint by relayrl up)
     for service, names in EXPECTED_SERIES.items():
@@ -159,7 +159,7 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     assert "resume with: relayrl up --resume" in up.output()
     assert processes_of(run_dir) == []
     assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
-    stopped_at = {r["step"] for r in steps_logged(run_dir)}
+    stopped_at = {r.step for r in steps_logged(run_dir)}
     assert (run_dir / "redis" / "appendonlydir").is_dir()
 
     resumed = UpProcess.resume(run_dir)
@@ -168,7 +168,7 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     finally:
         resumed.stop()
     assert "trained arith for 4 steps" in resumed.output()
-    steps = {r["step"] for r in steps_logged(run_dir)}
+    steps = {r.step for r in steps_logged(run_dir)}
     assert steps == {0, 1, 2, 3} and stopped_at <= steps
     check_exactly_once(run_dir, audit_queue(run_dir))
     # the resumed trainer republished its checkpoint's weights before going on

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.core.records import StepRecord
 from relayrl_testkit.helpers.up import (
     SHORT_RUN,
     Audit,
@@ -67,7 +68,7 @@ CONFIG = deep_update(
 class SharedRun:
     run_dir: Path
     output: str
-    records: list[dict]
+    records: list[StepRecord]
     audit: Audit
     trajectories_of: dict[str, list]  # program -> its trajectories in trained groups
 
@@ -95,7 +96,7 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Shar
         for entry in map(json.loads, log.read_text().splitlines())
     }
     trajectories_of: dict[str, list] = {name: [] for name in PROGRAMS}
-    for uid in {uid for record in records for uid in record["uids"]}:
+    for uid in {uid for record in records for uid in record.uids}:
         for trajectory in audit.groups[uid].trajectories:
             # recorded by the gateway's session, not written by the agent
             trajectories_of[owner[trajectory.labels["agent_session"]]].append(trajectory)
@@ -119,13 +120,13 @@ def test_one_run_trains_every_program_exactly_once(shared_run: SharedRun) -> Non
     run = shared_run
     steps, groups = CONFIG["train"]["steps"], CONFIG["train"]["batch_groups"]
     assert f"trained lookup for {steps} steps in sync" in run.output, run.output
-    assert [r["step"] for r in run.records] == list(range(steps))
-    assert all(len(r["uids"]) == groups for r in run.records), run.records
+    assert [r.step for r in run.records] == list(range(steps))
+    assert all(len(r.uids) == groups for r in run.records), run.records
     check_exactly_once(run.run_dir, run.audit)
     infra = run.audit.infra_trajectories()
     assert infra == [], "\n".join([*infra, service_warnings(run.run_dir)])
     n = CONFIG["train"]["samples_per_prompt"]
-    for uid in {uid for record in run.records for uid in record["uids"]}:
+    for uid in {uid for record in run.records for uid in record.uids}:
         entry = run.audit.groups[uid]
         assert entry.group.agent == "external"
         assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid

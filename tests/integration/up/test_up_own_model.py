@@ -100,7 +100,7 @@ def check_run(run_dir: Path, output: str, label: str, steps: int, heldout: int) 
     assert all(e["n"] == heldout for e in evals)
     assert evals[-1]["version"] == steps
     assert (run_dir / "report.html").stat().st_size > 0
-    assert {r["step"] for r in steps_logged(run_dir)} == set(range(steps))  # 0-based
+    assert {r.step for r in steps_logged(run_dir)} == set(range(steps))  # 0-based
     audit = audit_queue(run_dir)
     check_exactly_once(run_dir, audit)
     assert audit.statuses["GROUP_STATUS_FAILED"] == 0, audit.statuses
@@ -124,7 +124,7 @@ def test_a_real_pretrained_model_trains_on_a_verl_dataset(
     run_dir, output = finished_run(up, 1100)
     check_run(run_dir, output, "dataset", steps=1, heldout=4)
     for record in steps_logged(run_dir):  # scored by the function: 0.25 and 0.75 only
-        assert record["reward_mean"] not in (0.25, 0.75) and 0.25 < record["reward_mean"] < 0.75
+        assert record.reward_mean not in (0.25, 0.75) and 0.25 < (record.reward_mean or 0) < 0.75
     final = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
     assert final["accuracy"] == 1.0  # judged by the same function: a positive score
     # the pretrained model's defaults, printed and recorded

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.core.records import RecordError
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TrajectoryPut, TransferQueue
 from relayrl.up.timing import (
@@ -172,25 +173,29 @@ def test_an_empty_stream_gives_steps_without_numbers(tq: TransferQueue) -> None:
     assert timing.num_groups_without_events == 1 and timing.t_collect_s is None
 
 
-def test_written_timing_reads_back_and_corrupt_lines_are_counted(
+def test_written_timing_reads_back_and_only_a_torn_last_line_is_left_out(
     tq: TransferQueue, timed_run: Clock, tmp_path: Path
 ) -> None:
     (tmp_path / "trainer").mkdir()
     steps_log = tmp_path / "trainer" / "steps.jsonl"
     steps_log.write_text(
-        "".join(json.dumps({"step": s, "uids": u, "reward_mean": 0.5}) + "\n" for s, u in STEPS)
+        "".join(
+            json.dumps({"step": s, "uids": u, "reward_mean": 0.5, "time": 0.0}) + "\n"
+            for s, u in STEPS
+        )
     )
     path = collect_reward_timing(tq, P, tmp_path)
     assert path == tmp_path / REWARD_TIMING_FILE
-    timings, num_corrupt = read_reward_timing(tmp_path)
-    assert num_corrupt == 0
+    timings = read_reward_timing(tmp_path)
     assert timings == reward_timing(tq, P, STEPS)
 
     with path.open("a") as f:
-        f.write('{"step": 9, "t_collect_s": 0.1\n')  # torn last line
-        f.write('{"t_collect_s": 0.1}\n')  # no step
-    timings_after, num_corrupt = read_reward_timing(tmp_path)
-    assert timings_after == timings and num_corrupt == 2
+        f.write('{"step": 9, "t_collect_s": 0.1')  # torn last line
+    assert read_reward_timing(tmp_path) == timings
+    with path.open("a") as f:
+        f.write('\n{"t_collect_s": 0.1}\n')  # no longer the last line; and one without a step
+    with pytest.raises(RecordError, match=rf"{REWARD_TIMING_FILE}:{len(timings) + 1}: not JSON"):
+        read_reward_timing(tmp_path)
 
 
 def test_span_of_zero_is_full_overlap() -> None:
@@ -205,7 +210,7 @@ def test_record_round_trip(tmp_path: Path) -> None:
         1, ["u", "v"], {"u": {"u_0": (10.0, False), "u_1": (10.5, False)}}, {"u": {"u_0": 11.0}}
     )
     write_reward_timing(tmp_path, [timing])
-    assert read_reward_timing(tmp_path) == ([timing], 0)
-    assert RewardTiming.from_record(timing.record()) == timing
+    assert read_reward_timing(tmp_path) == [timing]
+    assert RewardTiming.model_validate_json(timing.to_line()) == timing
     assert timing.t_collect_s == pytest.approx(0.5)
     assert timing.overlap_ratio == pytest.approx(1 - 0.5 / 1.0)

@@ -10,16 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.core.records import EvalRecord, StepRecord, append_record
+from relayrl.up import progress as up_progress
 from relayrl.up import run as up_run
 from relayrl.up.config import UpConfig
-from relayrl.up.evaluate import (
-    DEADLINE_FACTOR,
-    MAX_CONCURRENT,
-    MIN_DEADLINE_S,
-    EvalRecord,
-    Evaluator,
-)
+from relayrl.up.evaluate import DEADLINE_FACTOR, MAX_CONCURRENT, MIN_DEADLINE_S, Evaluator
 from relayrl.up.progress import Progress
+from relayrl.up.status import _eval_lines as status_lines_of_evals
 
 
 class Stack:
@@ -70,6 +67,7 @@ def test_a_failed_evaluation_is_tried_again(tmp_path: Path) -> None:
         "retrying"
     )
     assert [json.loads(x)["accuracy"] for x in run.eval_log.read_text().splitlines()] == [0.75]
+    assert run._evaluated("periodic") and not run._evaluated("final")  # a resume skips it
 
 
 def test_an_evaluation_that_fails_twice_is_recorded_and_shown_as_failed(tmp_path: Path) -> None:
@@ -81,11 +79,16 @@ def test_an_evaluation_that_fails_twice_is_recorded_and_shown_as_failed(tmp_path
     )
     (record,) = [json.loads(x) for x in run.eval_log.read_text().splitlines()]
     assert record["failed"] is True and record["accuracy"] is None and record["step"] == 8
+    assert not run._evaluated("periodic")  # a failed one is tried again after a resume
     progress = Progress(tmp_path, Stack(), 20, lines.append)
-    good = {"kind": "periodic", "step": 4, "accuracy": 0.5}
-    line = progress.line({"step": 8}, None, record)
+    good = EvalRecord(
+        kind="periodic", step=4, version=4, version_end=4, n=2, correct=1, accuracy=0.5,
+        sampled_accuracy=None, seconds=1.0, time=0.0,
+    )  # fmt: skip
+    step = StepRecord(step=8, time=0.0)
+    line = progress.line(step, None, EvalRecord.model_validate(record))
     assert "held-out FAILED@8" in line and "50.0%" not in line
-    assert "held-out 50.0%@4" in progress.line({"step": 8}, None, good)
+    assert "held-out 50.0%@4" in progress.line(step, None, good)
 
 
 def test_the_deadline_follows_the_measured_speed() -> None:
@@ -96,3 +99,37 @@ def test_the_deadline_follows_the_measured_speed() -> None:
     assert evaluator.deadline_s() == pytest.approx(DEADLINE_FACTOR * expected)  # ~8 min
     evaluator.tokens_per_s = 5000.0  # the tiny model
     assert evaluator.deadline_s() == MIN_DEADLINE_S
+
+
+def test_progress_says_each_logged_step_once_and_status_says_a_failed_evaluation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(up_progress, "replica_versions", lambda target, run_dir: None)
+
+    class Targets(Stack):
+        def target(self, name: str) -> str:
+            return "127.0.0.1:1"
+
+    steps = tmp_path / "trainer" / "steps.jsonl"
+    lines: list[str] = []
+    progress = Progress(tmp_path, Targets(), 4, lines.append)
+    assert progress.poll() == 0 and lines == []
+    good = EvalRecord(
+        kind="periodic", step=1, version=1, version_end=1, n=2, correct=1, accuracy=0.5,
+        sampled_accuracy=None, seconds=1.0, time=0.0,
+    )  # fmt: skip
+    append_record(tmp_path / "eval.jsonl", good)
+    step_1 = StepRecord(step=1, time=0.0, reward_mean=0.25).to_line()
+    append_record(steps, StepRecord(step=0, time=0.0, reward_mean=0.5))
+    with steps.open("a") as f:
+        f.write(step_1[:10])  # still being written
+    assert progress.poll() == 1
+    assert lines[0].startswith("step 1/4  reward 0.50  held-out 50.0%@1  weight-sync ?")
+    with steps.open("a") as f:
+        f.write(step_1[10:] + "\n")
+    append_record(tmp_path / "eval.jsonl", EvalRecord.failure("periodic", 2, "TimeoutError", 1.0))
+    assert progress.poll() == 2 and len(lines) == 2
+    assert lines[1].startswith("step 2/4  reward 0.25  held-out FAILED@2  weight-sync ?")
+    assert status_lines_of_evals(tmp_path) == [
+        "held-out: 50.0%@1, FAILED@2 (greedy accuracy at trainer step)"
+    ]

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from relayrl.core.records import EvalRecord
 from relayrl.up.report import (
     DPI,
     FIGSIZE,
@@ -46,6 +47,7 @@ def step_record(step: int) -> dict[str, Any]:
         reward = 0.34 + 0.27 * step / NUM_STEPS
     record: dict[str, Any] = {
         "step": step,
+        "time": STARTED + 100 + step * 11,
         "reward_mean": reward,
         "reward_std": 0.2,
         "loss": 0.01,
@@ -70,11 +72,16 @@ def eval_record(kind: str, step: int, correct: int, n: int = 200) -> dict[str, A
         "kind": kind,
         "step": step,
         "version": step,
+        "version_end": step,
         "n": n,
         "correct": correct,
         "accuracy": correct / n,
         "sampled_accuracy": (correct - 10) / n,
+        "seconds": 5.0,
         "time": STARTED + 60 + step * 10,
+        "tokens": 4000,
+        "failed": False,
+        "error": "",
     }
 
 
@@ -122,6 +129,7 @@ def run_dir(tmp_path: Path) -> Path:
         "mode": "separate_async",
         "eta": 1,
         "steps": NUM_STEPS,
+        "warm_started": True,
         "started": STARTED,
         "finished": STARTED + 672.0,  # 11.2 min
         "state": "completed",
@@ -205,7 +213,7 @@ def test_missing_inputs_give_no_data_plots_and_a_short_summary(tmp_path: Path) -
     for caption, _ in PLOTS.values():
         assert f"{caption} — no data" in page.replace("&quot;", '"')
     assert "Missing or empty inputs" in page and "trainer/steps.jsonl" in page
-    assert report.corrupt_lines == {}
+    assert report.unreadable == {}
     assert summary_text(report) == (
         "Run r-empty trained for 0 steps: no group rejected; no rollout failed."
     )
@@ -241,28 +249,60 @@ def test_partial_inputs_leave_out_what_they_lack(run_dir: Path) -> None:
     assert "no data" in page and "nan" not in page.lower()
 
 
-def test_corrupt_lines_are_skipped_and_counted(run_dir: Path) -> None:
+def test_a_torn_last_line_is_left_out(run_dir: Path) -> None:
     clean = key_numbers(load_inputs(run_dir))
     with (run_dir / "trainer" / "steps.jsonl").open("a") as f:
-        f.write('{"step": 60, "reward_mean": 0.9, "tok\n')  # torn last line
+        f.write('{"step": 60, "reward_mean": 0.9, "tok')  # a writer killed mid-line
+    with (run_dir / "eval.jsonl").open("a") as f:
+        f.write('{"kind": "final", "st')
+
+    report = write_report(run_dir)
+
+    assert report.unreadable == {}
+    assert report.numbers == clean
+    assert "unreadable" not in report.html_path.read_text()
+
+
+def test_an_input_with_a_corrupt_line_is_left_out_whole_and_named_with_the_line(
+    run_dir: Path,
+) -> None:
+    clean = key_numbers(load_inputs(run_dir))
     with (run_dir / "eval.jsonl").open("r+") as f:
         lines = f.readlines()
         f.seek(0)
-        f.writelines([lines[0], "garbage\n", '{"kind": "periodic"}\n', *lines[1:]])
+        f.writelines([lines[0], "garbage\n", *lines[1:]])
+    with (run_dir / "weightsync" / "transfers.jsonl").open("r+") as f:
+        lines = f.readlines()
+        f.seek(0)
+        f.writelines([*lines[:3], '{"version": 4}\n', *lines[3:]])  # JSON, not a transfer
 
     report = write_report(run_dir)
 
-    assert report.corrupt_lines == {"trainer/steps.jsonl": 1, "eval.jsonl": 2}
-    assert report.numbers == clean
+    assert report.unreadable["eval.jsonl"] == (
+        "eval.jsonl:2: not JSON (Expecting value: line 1 column 1 (char 0))"
+    )
+    assert report.unreadable["weightsync/transfers.jsonl"].startswith(
+        "weightsync/transfers.jsonl:4: not a TransferRecord (trainer_step: Field required; "
+    )
+    assert set(report.unreadable) == {"eval.jsonl", "weightsync/transfers.jsonl"}
+    n = report.numbers
+    assert n.warm_start_accuracy is None and n.final_accuracy is None
+    assert n.weight_sync_median_s is None and n.num_transfers_committed == 0
+    assert (n.reward_first, n.tokens_per_s_median) == (clean.reward_first, 410.0)  # the rest
+    assert report.no_data_plots == ["weight_sync"]  # the reward plot still has its top panel
     page = report.html_path.read_text()
-    assert "Skipped 3 corrupt or unusable lines" in page
-    assert summary_text(report).endswith("; 3 corrupt log lines skipped.")
+    assert "Left out as unreadable (a line that is not a record): " in page
+    assert "<code>eval.jsonl:2: not JSON" in page
+    assert "; 2 inputs left out as unreadable (eval.jsonl:2: not JSON (" in summary_text(report)
 
 
-def test_corrupt_run_json_is_counted_and_the_directory_names_the_run(run_dir: Path) -> None:
+def test_corrupt_run_json_is_named_and_the_directory_names_the_run(run_dir: Path) -> None:
     (run_dir / "run.json").write_text("{not json")
     report = write_report(run_dir)
-    assert report.corrupt_lines == {"run.json": 1}
+    assert report.unreadable == {
+        "run.json": "run.json: Expecting property name enclosed in double quotes: line 1 "
+        "column 2 (char 1)"
+    }
     assert report.run_id == RUN_ID and report.task is None
     assert summary_text(report).startswith(f"Run {RUN_ID} trained for 60 steps: held-out")
 
@@ -285,6 +325,7 @@ def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_sto
         steps.append(
             {
                 "step": step,
+                "time": STARTED + step,
                 "reward_mean": 0.2,
                 "groups": {"keep": 4, "no_signal": 6, "no_valid": 1},
                 "no_signal": {"all scored 0": 5, "all scored 1": 1},
@@ -300,7 +341,7 @@ def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_sto
         directory / "eval.jsonl",
         [
             eval_record("warm_start", 0, 20),
-            {"kind": "periodic", "step": 1, "failed": True, "error": "TimeoutError"},
+            EvalRecord.failure("periodic", 1, "TimeoutError", 120.0).model_dump(),
         ],
     )
     log = ProgressLog(directory / "trainer" / "progress.jsonl")
@@ -331,4 +372,4 @@ def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_sto
         "down 16)" in summary
     )
     assert summary.endswith(f"stopped: {cause}.")
-    assert report.corrupt_lines == {}
+    assert report.unreadable == {}

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from relayrl.core.records import TransferRecord, read_records
 from relayrl.gateway.replicas import ReplicaPool, ReplicaState
 from relayrl.inference.client import EngineUnavailable
 from relayrl.proto.common.v1 import common_pb2
@@ -157,6 +158,7 @@ def coordinator(
     backoff_s: float = 0.0,
     cut_through: bool = True,
     transfer_timeout_s: float = 600.0,
+    metrics_log: Path | None = None,
 ) -> Coordinator:
     config = WeightSyncConfig.model_validate(
         {
@@ -173,6 +175,7 @@ def coordinator(
             },
             "state_dir": str(state_dir) if state_dir else None,
             "transfer_timeout_s": transfer_timeout_s,
+            "metrics_log": str(metrics_log) if metrics_log else None,
         }
     )
     by_url = {e.url: e for e in engines.values()}
@@ -284,6 +287,37 @@ def test_without_a_gateway_a_replica_is_paused_around_its_load(
 
     asyncio.run(main())
     assert engine.calls == ["pause:keep", "version:loading-1", "reset", "version:1", "resume"]
+
+
+def test_every_finished_transfer_is_one_transfer_record(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    engine = Engine("http://a")
+    no_send(monkeypatch)
+    log = tmp_path / "weightsync" / "transfers.jsonl"
+
+    async def main() -> None:
+        c = coordinator({"engine-0": engine}, metrics_log=log)
+        try:
+            await publish_and_wait(c, 1)
+            engine.refuse = True
+            await publish_and_wait(c, 2)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+    committed, failed = read_records(log, TransferRecord)
+    assert (committed.version, committed.trainer_step, committed.state) == (1, 1, "committed")
+    assert (committed.replicas, committed.error, committed.transport) == (
+        ["engine-0"], "", "torch_distributed",
+    )  # fmt: skip
+    assert committed.bytes > 0 and committed.durations_s
+    assert (failed.version, failed.state) == (2, "failed")
+    assert failed.error.startswith("load: no replica loaded version 2")
+    assert sorted(json.loads(log.read_text().splitlines()[0])) == [
+        "bytes", "durations_s", "error", "replicas", "state", "time", "trainer_step",
+        "transport", "version",
+    ]  # fmt: skip
 
 
 def test_a_version_every_replica_refuses_fails_and_the_replica_is_never_resumed(
