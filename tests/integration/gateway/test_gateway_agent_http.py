@@ -17,7 +17,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +159,17 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
+
+
+def run_on_queue(
+    redis_server: RedisServer, main: Callable[[TransferQueue], Awaitable[None]]
+) -> None:
+    """`main` run to its end with a queue on `redis_server`, closed after."""
+    tq = TransferQueue(redis_server.client())
+    try:
+        asyncio.run(main(tq))
+    finally:
+        tq.close()
 
 
 def rescored_logprobs(model_dir: Path, trajectory: common_pb2.Trajectory) -> list[float]:
@@ -1069,11 +1080,7 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
         await sessions.close()
         await pool.close()
 
-    tq = TransferQueue(redis_server.client())
-    try:
-        asyncio.run(main(tq))
-    finally:
-        tq.close()
+    run_on_queue(redis_server, main)
 
 
 def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructure_failed(
@@ -1162,11 +1169,7 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         await sessions.close()
         await pool.close()
 
-    tq = TransferQueue(redis_server.client())
-    try:
-        asyncio.run(main(tq))
-    finally:
-        tq.close()
+    run_on_queue(redis_server, main)
 
 
 def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
@@ -1213,11 +1216,7 @@ def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
         await sessions.close()
         await pool.close()
 
-    tq = TransferQueue(redis_server.client())
-    try:
-        asyncio.run(main(tq))
-    finally:
-        tq.close()
+    run_on_queue(redis_server, main)
 
 
 def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sample(
@@ -1314,8 +1313,4 @@ def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sam
         await strict.close()
         await pool.close()
 
-    tq = TransferQueue(redis_server.client())
-    try:
-        asyncio.run(main(tq))
-    finally:
-        tq.close()
+    run_on_queue(redis_server, main)
