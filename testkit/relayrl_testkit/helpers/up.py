@@ -254,6 +254,20 @@ def wait_for_steps(up: UpProcess, n: int, timeout_s: float) -> None:
     raise AssertionError(f"{n} steps not logged in {timeout_s} s:\n{up.output()}")
 
 
+def pause_trainer(run_dir: Path) -> None:
+    """Holds a running run's trainer before its next step (its Control RPC, as the operator),
+    so that what a test checks on the live stack is not raced by the trainer finishing."""
+    from relayrl.core.grpc_client import sync_channel
+    from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+    from relayrl.up.secrets import operator_identity
+
+    target = stack_state(run_dir)["children"]["trainer"]["target"]
+    with sync_channel(target, operator_identity(run_dir), []) as channel:
+        trainer_pb2_grpc.TrainerStub(channel).Control(
+            trainer_pb2.ControlRequest(action=trainer_pb2.CONTROL_ACTION_PAUSE), timeout=30
+        )
+
+
 def processes_of(run_dir: Path) -> list[str]:
     """Live processes whose command line or working directory names the run folder, or
     whose PID the stack recorded: what a clean shutdown must not leave behind."""

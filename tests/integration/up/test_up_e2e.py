@@ -20,6 +20,7 @@ from relayrl_testkit.helpers.up import (
     audit_queue,
     check_exactly_once,
     deep_update,
+    pause_trainer,
     processes_of,
     relayrl,
     repository_copy,
@@ -124,8 +125,10 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     config = deep_update(SHORT_RUN, {"train": {"steps": 4}})
     up = UpProcess.start(runs_dir, config, "--mode", "separate_async")
     try:
-        wait_for_steps(up, 2, 600)
+        wait_for_steps(up, 1, 600)
         run_dir = up.run_dir
+        # held before its next step: a fast run would otherwise end before the knocks
+        pause_trainer(run_dir)
         status = subprocess.run(
             [relayrl(), "status", str(run_dir)], capture_output=True, text=True, timeout=60
         )
