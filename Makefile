@@ -25,7 +25,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -104,7 +104,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -153,6 +153,9 @@ bench-agents: setup ## the lookup tool task by the built-in tool loop vs externa
 
 bench-pipeline: setup ## the real services vs `relayrl sim` on one pipeline: sync, partial eta=1, eta=2 (engine emulated)
 	$(BIN)/python bench/pipeline_bench.py
+
+bench-sim-reproduce: setup ## the source's reference figures for the pipeline simulator, recomputed with relayrl.sim side by side (~1 s; BENCH_ARGS="--repeats 1 --plot f.png")
+	$(BIN)/python bench/sim_reproduce.py $(BENCH_ARGS)
 
 # Flags for `make run`, e.g. make run UP_ARGS="--steps 20 --mode sync" (none: every default).
 UP_ARGS ?=

@@ -1,6 +1,6 @@
 """What a supervisor needs of a child process.
 
-`relayrl up` (relayrl.up.stack) starts, watches, restarts and stops its redis-server, services
+`relayrl up` (relayrl.up.supervisor) starts, watches, restarts and stops its redis-server, services
 and engine through `Supervised` alone; RedisServer (relayrl.tq.server), ServiceProcess
 (relayrl.core.service_process) and EngineProcess (relayrl.engine.process) have it themselves,
 structurally (none of them imports this). What differs per child (how long its graceful stop

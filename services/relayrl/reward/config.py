@@ -33,7 +33,7 @@ class BacklogConfig(StrictModel):
     )
 
 
-class PipelineConfig(StrictModel):
+class ScoringPipelineConfig(StrictModel):
     """The scoring pipeline shared by every front door."""
 
     num_workers: int = Field(
@@ -150,8 +150,8 @@ class RewardConfig(ServiceConfig):
     the TransferQueue."""
 
     tq: TQConfig = Field(default_factory=TQConfig, description="The TransferQueue (Redis).")
-    pipeline: PipelineConfig = Field(
-        default_factory=PipelineConfig, description="Backlog, workers, default batching."
+    pipeline: ScoringPipelineConfig = Field(
+        default_factory=ScoringPipelineConfig, description="Backlog, workers, default batching."
     )
     managers: dict[str, ManagerConfig] = Field(
         default_factory=lambda: {"naive": NaiveConfig(type="naive")},

@@ -1,6 +1,7 @@
-"""`relayrl sim`: simulate a rollout pipeline design, reproduce the seed's figures, or
-recommend a staleness bound. Only argparse is imported here: the simulator, numpy and
-matplotlib load when the command runs, so `relayrl --help` stays instant."""
+"""`relayrl sim`: simulate a rollout pipeline design, or recommend a staleness bound (the
+source's reference figures are reproduced by bench/sim_reproduce.py). Only argparse is
+imported here: the simulator, numpy and matplotlib load when the command runs, so
+`relayrl --help` stays instant."""
 
 from __future__ import annotations
 
@@ -30,23 +31,6 @@ FLAG_OF_FIELD = {
     "failure_policy": "--failure-policy",
     "failure_seed": "--seed",
 }
-# Flags that shape the pipeline (--reproduce-seed runs the seed's own and takes none).
-CONFIG_FLAGS = (
-    "design",
-    "eta",
-    "drain",
-    "drop_stale",
-    "slots",
-    "batch_size",
-    "train_time_s",
-    "sync_time_s",
-    "steps",
-    "timeout_s",
-    "timeout_policy",
-    "failure_hazard_per_s",
-    "failure_policy",
-    "no_train_during_sync",
-)
 HISTOGRAM_WIDTH = 40
 
 
@@ -67,15 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="A discrete-event simulation of a rollout pipeline (docs/simulation.md): N "
         "generation slots, a trainer taking B finished rollouts per step, weight syncs that "
         "pause generation. Prints rollouts/hour, slot utilisation, staleness of trained "
-        "rollouts and more; --reproduce-seed recomputes the seed's figures; --recommend sweeps "
-        "eta. Durations come from the episode model unless a file or Prometheus gives them.",
+        "rollouts and more; --recommend sweeps eta. Durations come from the episode model "
+        "unless a file or Prometheus gives them.",
     )
     sim.error = _one_line_error("relayrl sim")  # type: ignore[method-assign]
-    mode = sim.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--reproduce-seed", action="store_true", help="the seed's figures, side by side with ours"
-    )
-    mode.add_argument(
+    sim.add_argument(
         "--recommend",
         action="store_true",
         help="sweep eta 0..8 and recommend the smallest good one",
@@ -132,7 +112,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     output.add_argument(
         "--repeats",
         type=int,
-        help="seeds averaged by --reproduce-seed (default 5) and --recommend (default 3)",
+        help="seeds averaged by --recommend (default 3)",
     )
     sim.set_defaults(func=main)
     return sim
@@ -141,8 +121,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     """Run `relayrl sim`; a user mistake is a ValueError (one line, exit 2 in relayrl.cli)."""
     _check_flags(args)
-    if args.reproduce_seed:
-        return _reproduce(args)
     source = _source(args)
     if args.recommend:
         return _recommend(args, source)
@@ -170,16 +148,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--plot-steps must be >= 1, got {args.plot_steps}")
     if args.repeats is not None and not 1 <= args.repeats <= 100:
         raise ValueError(f"--repeats must be in 1..100, got {args.repeats}")
-    if args.repeats is not None and not (args.reproduce_seed or args.recommend):
-        raise ValueError("--repeats goes with --reproduce-seed or --recommend")
-    if args.reproduce_seed:
-        given = _given(
-            args, (*CONFIG_FLAGS, "model_param", "durations_file", "durations_from_prometheus")
-        )
-        if given:
-            raise ValueError(
-                f"--reproduce-seed runs the seed's own configuration; drop {' '.join(given)}"
-            )
+    if args.repeats is not None and not args.recommend:
+        raise ValueError("--repeats goes with --recommend")
     if args.recommend:
         swept = _given(args, ("design", "eta", "drain", "drop_stale"))
         if swept:
@@ -322,70 +292,6 @@ def result_lines(result: SimResult, source: DurationSource, seed: int) -> list[s
         f"took {result.retry_cost:.1%} of busy slot time)",
     ]
     return lines
-
-
-# -- the seed's figures --------------------------------------------------------------------
-def _reproduce(args: argparse.Namespace) -> int:
-    from relayrl.sim.reproduce import SEED_CONFIG, format_table, reproduce
-
-    _check_writable(args.json, args.plot)
-    repeats = args.repeats or 5
-    rep = reproduce(num_seeds=repeats, first_seed=args.seed)
-    print(
-        "relayrl sim --reproduce-seed: the reference configuration "
-        "(docs/simulation.md#reference-figures) "
-        f"({SEED_CONFIG.n_slots} slots, {SEED_CONFIG.batch_size} rollouts/step, train "
-        f"{SEED_CONFIG.train_time_s:g} s, sync {SEED_CONFIG.sync_time_s:g} s, "
-        f"{SEED_CONFIG.steps} steps), durations from EpisodeModel(), {repeats} runs per figure"
-    )
-    print()
-    for line in format_table(rep):
-        print(line)
-    if args.json is not None:
-        figures = [
-            {
-                "figure": f.name,
-                "seed": f.seed_value,
-                "ours": f.ours,
-                "ratio": f.ratio,
-                "within_15_percent": f.within,
-                "per_run": list(f.per_run),
-                "why_if_outside": f.why,
-            }
-            for f in rep.figures
-        ]
-        _write_json(
-            args.json, {"seeds": list(rep.seeds), "figures": figures, "notes": list(rep.notes)}
-        )
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        _plot_figure_13_1(args.plot, args.seed, args.plot_steps)
-    return 0
-
-
-def _plot_figure_13_1(path: Path, seed: int, steps: int) -> None:
-    """The seed's figure 13.1: 8 slots, 8 rollouts per step, sync above partial eta=1."""
-    from dataclasses import replace
-
-    from relayrl.sim.durations import EpisodeModel
-    from relayrl.sim.plot import plot_timelines, plot_until_s
-    from relayrl.sim.reproduce import SEED_CONFIG
-    from relayrl.sim.sources import ModelSource, simulate_source
-
-    small = replace(SEED_CONFIG, n_slots=8, batch_size=8, steps=max(steps, 1))
-    source = ModelSource(EpisodeModel())
-    sync = simulate_source(replace(small, eta=0), source, seed)
-    partial = simulate_source(replace(small, eta=1), source, seed)
-    plot_timelines(
-        [("sync (8 slots, 8 rollouts/step)", sync), ("partial rollout, eta=1", partial)],
-        path,
-        steps,
-    )
-    print(
-        f"wrote {path}: {steps} steps take {plot_until_s(sync, steps):,.0f} s (sync) and "
-        f"{plot_until_s(partial, steps):,.0f} s (partial eta=1) with seed {seed}; the seed's "
-        "figure 13.1 (one sample): 1,130 s and 493 s for four steps"
-    )
 
 
 # -- the eta recommendation ----------------------------------------------------------------

@@ -45,10 +45,10 @@ def replica_versions(
 
 class Progress:
     def __init__(
-        self, run_dir: Path, stack: Any, total_steps: int, say: Callable[[str], None]
+        self, run_dir: Path, supervisor: Any, total_steps: int, say: Callable[[str], None]
     ) -> None:
         self.run_dir = run_dir
-        self.stack = stack
+        self.supervisor = supervisor
         self.total_steps = total_steps
         self.say = say
         self.steps = RecordFollower(run_dir / "trainer" / "steps.jsonl", StepRecord)
@@ -57,7 +57,7 @@ class Progress:
         """The trainer's `stopped` record: why the run could not progress."""
         self.completed = 0
         self.started = time.monotonic()
-        self.names = {url: name for name, url in _engine_names(stack).items()}
+        self.names = {url: name for name, url in _engine_names(supervisor).items()}
 
     def poll(self) -> int:
         """Prints a line per newly logged step, and the trainer's reports while a step waits;
@@ -70,7 +70,7 @@ class Progress:
         records = self.steps.new_records()
         if not records:
             return self.completed
-        versions = replica_versions(self.stack.target("weightsync"), self.stack.run_dir)
+        versions = replica_versions(self.supervisor.target("weightsync"), self.supervisor.run_dir)
         evals = read_records(self.run_dir / "eval.jsonl", EvalRecord)
         for record in records:
             self.completed = max(self.completed, record.step + 1)
@@ -109,8 +109,10 @@ class Progress:
         return "  ".join(parts)
 
 
-def _engine_names(stack: Any) -> dict[str, str]:
-    return {name: child.url for name, child in stack.children.items() if name.startswith("engine-")}
+def _engine_names(supervisor: Any) -> dict[str, str]:
+    return {
+        name: child.url for name, child in supervisor.children.items() if name.startswith("engine-")
+    }
 
 
 def _duration(seconds: float) -> str:

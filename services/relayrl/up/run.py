@@ -36,7 +36,7 @@ from relayrl.up.evaluate import Evaluator
 from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
 from relayrl.up.progress import Progress
 from relayrl.up.secrets import operator_identity
-from relayrl.up.stack import ORDER, ChildStartError, Event, Stack
+from relayrl.up.supervisor import ORDER, ChildStartError, Event, Supervisor
 from relayrl.up.workload import Workload, load_workload
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Run:
         self.resume = resume
         self.say = say
         self.signals = Signals()
-        self.stack: Stack | None = None
+        self.supervisor: Supervisor | None = None
         self.evaluator: Evaluator | None = None
         self._eval_thread: threading.Thread | None = None
         self.eval_log = run_dir / "eval.jsonl"
@@ -132,8 +132,8 @@ class Run:
             return EXIT_INTERRUPTED
         except ChildStartError as exc:  # one line: the child's log has the rest
             self.say(f"relayrl up: {exc}")
-            if self.stack is not None:
-                self.stack.stop(say=lambda line: None)
+            if self.supervisor is not None:
+                self.supervisor.stop(say=lambda line: None)
             self._update_state(state="failed", error=str(exc))
             return EXIT_FAILED
         finally:
@@ -179,9 +179,9 @@ class Run:
 
         self.say(c.placement.describe())
         self.say("starting the stack:")
-        self.stack = Stack(c, self.run_dir, warm, files, on_event=self._on_event)
-        self.stack.build()
-        self.stack.start(ORDER[:-1], say=self.say)
+        self.supervisor = Supervisor(c, self.run_dir, warm, files, on_event=self._on_event)
+        self.supervisor.build()
+        self.supervisor.start(ORDER[:-1], say=self.say)
         if workload.heldout:
             self.evaluator = Evaluator(
                 workload.judge,
@@ -197,8 +197,8 @@ class Run:
             self.say("  held-out evaluation: off (the agent's environment scores every answer)")
         if not self._evaluated("warm_start"):
             self._evaluate("warm_start", 0)
-        self.stack.start(("trainer",), say=self.say)
-        self.stack.supervise()
+        self.supervisor.start(("trainer",), say=self.say)
+        self.supervisor.supervise()
         self._update_state(state="training", training_started=time.time())
         self.signals.raising = False
         outcome = self._train()
@@ -211,10 +211,10 @@ class Run:
 
     def _train(self) -> str:
         """Watches the trainer until it completes, the run is stopped, or a child gives up."""
-        assert self.stack is not None
+        assert self.supervisor is not None
         c = self.config
-        progress = Progress(self.run_dir, self.stack, c.train.steps, self.say)
-        trainer = self.stack.children["trainer"]
+        progress = Progress(self.run_dir, self.supervisor, c.train.steps, self.say)
+        trainer = self.supervisor.children["trainer"]
         interval = c.eval.interval_steps
         next_eval = interval if interval else None
         # version 1 is evaluated at once: a policy broken by its first update shows there
@@ -224,9 +224,9 @@ class Run:
                 return "stopped"
             before, step = progress.completed, progress.poll()
             if step > before:  # the trainer exits when done: keep its last scrape
-                self.stack.snapshot_metrics(self.run_dir / "metrics", ("trainer",))
-            if self.stack.failed:
-                self.say(f"relayrl up: {self.stack.failure}")
+                self.supervisor.snapshot_metrics(self.run_dir / "metrics", ("trainer",))
+            if self.supervisor.failed:
+                self.say(f"relayrl up: {self.supervisor.failure}")
                 return "failed"
             if not trainer.alive() and trainer.exit_code() == 0:
                 progress.poll()
@@ -264,7 +264,7 @@ class Run:
     def _evaluate(self, kind: str, step: int) -> EvalRecord | None:
         """One evaluation, tried EVAL_ATTEMPTS times; a failure is recorded and said as such
         (never shown as the last good accuracy)."""
-        assert self.stack is not None
+        assert self.supervisor is not None
         if self.evaluator is None:
             return None
         started = time.monotonic()
@@ -276,8 +276,8 @@ class Run:
             try:
                 # The evaluation talks to the engine itself: only once the gateway would route
                 # to it (it holds the committed version), not while it restarts or loads.
-                self.stack.wait_for_routing(self.config.supervision.start_timeout_s)
-                record = self.evaluator.run(self.stack.engine_url, kind, step)
+                self.supervisor.wait_for_routing(self.config.supervision.start_timeout_s)
+                record = self.evaluator.run(self.supervisor.engine_url, kind, step)
                 break
             except Exception as exc:  # an engine restarting, a deadline: try once more
                 if isinstance(exc, ExceptionGroup):
@@ -312,16 +312,16 @@ class Run:
 
     def _shutdown(self, outcome: str) -> None:
         """Stops the stack, then writes what the run produced (also for a stopped run)."""
-        stack = self.stack
+        supervisor = self.supervisor
         timing_error = None
-        if stack is not None:
+        if supervisor is not None:
             self.say("stopping the stack...")
             try:
-                self._reward_timing(stack)
+                self._reward_timing(supervisor)
             except Exception as exc:  # Redis gone: the report goes without it
                 timing_error = exc
-            stack.snapshot_metrics(self.run_dir / "metrics")
-            stack.stop(say=self.say)
+            supervisor.snapshot_metrics(self.run_dir / "metrics")
+            supervisor.stop(say=self.say)
         self._update_state(state=outcome, finished=time.time() if outcome == "completed" else None)
         if timing_error is not None:
             self.say(f"  reward timing unavailable: {timing_error}")
@@ -329,17 +329,17 @@ class Run:
         if outcome != "completed":
             self.say(f"resume with: relayrl up --resume {self.run_dir}")
 
-    def _reward_timing(self, stack: Stack) -> None:
+    def _reward_timing(self, supervisor: Supervisor) -> None:
         from relayrl.tq import TQConfig, TransferQueue
         from relayrl.up.secrets import with_redis_password
-        from relayrl.up.stack import NAMESPACE
+        from relayrl.up.supervisor import NAMESPACE
         from relayrl.up.timing import reward_timing, write_reward_timing
 
         records = read_records(self.run_dir / "trainer" / "steps.jsonl", StepRecord)
         steps = [(r.step, r.uids) for r in records]
-        if not steps or not stack.children["redis"].alive():
+        if not steps or not supervisor.children["redis"].alive():
             return
-        url = with_redis_password(stack.redis_url, self.run_dir)
+        url = with_redis_password(supervisor.redis_url, self.run_dir)
         tq = TransferQueue.from_config(TQConfig(url=url, namespace=NAMESPACE, partitions=[]))
         try:
             timings = reward_timing(tq, "train", steps)

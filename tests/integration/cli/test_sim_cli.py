@@ -29,27 +29,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], text: str) -
     assert result.stdout == ""
 
 
-def test_reproduce_seed_prints_the_table() -> None:
-    result = relayrl("--reproduce-seed")
-    assert result.returncode == 0, result.stderr
-    out = result.stdout
-    assert "5 runs per figure" in out
-    header = next(line for line in out.splitlines() if line.startswith("figure"))
-    assert header.split()[:5] == ["figure", "seed", "ours", "ratio", "+-15%"]
-    rows = {
-        line.split("  ")[0]: line
-        for line in out.splitlines()
-        if line.startswith(("sync", "partial", "one-step", "eta=", "failures", "13.7"))
-    }
-    assert "451/h" in rows["sync: rollouts/hour"] and " yes " in rows["sync: rollouts/hour"]
-    assert "4.10x" in rows["partial eta=1: x sync"]
-    assert " yes " in rows["eta=4 + drain: x sync"]
-    assert all(" NO " not in row for row in rows.values())
-    assert "outside +-15%" not in out
-    # the modelling choice that brings the drain rows in is stated, with the other reading
-    assert "note: drain designs: the trainer waits for each drained sync" in out
-
-
 def test_a_run_writes_its_json_and_its_plot(tmp_path: Path) -> None:
     result = relayrl(
         "--design",
@@ -142,13 +121,6 @@ def test_recommend(tmp_path: Path) -> None:
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_reproduce_plots_figure_13_1(tmp_path: Path) -> None:
-    result = relayrl("--reproduce-seed", "--repeats", "1", "--plot", str(tmp_path / "f.png"))
-    assert result.returncode == 0, result.stderr
-    assert "1 runs per figure" in result.stdout and "1,130 s and 493 s" in result.stdout
-    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
-
-
 def bad_arguments(tmp_path: Path) -> list[tuple[list[str], str]]:
     bad_file = tmp_path / "bad.txt"
     bad_file.write_text("12\n1O\n")
@@ -170,8 +142,6 @@ def bad_arguments(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--timeout-policy", "drop"], "--timeout-policy needs --timeout-s"),
         (["--failure-policy", "retry"], "--failure-policy needs --failure-hazard-per-s"),
         (["--model-param", "turns=3"], "NAME one of turn_p"),
-        (["--reproduce-seed", "--slots", "8"], "drop --slots"),
-        (["--reproduce-seed", "--recommend"], "not allowed"),
         (["--recommend"], "--recommend needs --train-time-s"),
         (["--recommend", "--train-time-s", "60", "--eta", "2"], "drop --eta"),
         (["--repeats", "3"], "--repeats goes with"),

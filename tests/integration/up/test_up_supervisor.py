@@ -21,7 +21,7 @@ from relayrl.stack.local import LocalPorts
 from relayrl.tq.server import RedisServer
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import RunFiles
-from relayrl.up.stack import REDIS, SERVICE, SERVICE_SPECS, Stack
+from relayrl.up.supervisor import REDIS, SERVICE, SERVICE_SPECS, Supervisor
 
 # Serves until `<workdir>/exit` holds an exit code.
 STAND_IN = """
@@ -63,7 +63,7 @@ def test_crashed_children_come_back_the_trainers_exit_0_is_final_and_stop_goes_i
         )
         for name in ("reward", "trainer")
     }
-    stack = Stack(
+    stack = Supervisor(
         config, run_dir, tmp_path / "model", RunFiles.in_dir(tmp_path), ports,
         children={"redis": redis, **services},
         specs={

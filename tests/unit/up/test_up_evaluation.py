@@ -1,6 +1,6 @@
 """A held-out evaluation that fails is tried again, and one that fails twice is recorded and
 said as failed, never shown as the last good accuracy; an evaluation's deadline follows the
-speed the engine was measured at. Pure logic: the evaluator and the stack are stand-ins (the
+speed the engine was measured at. Pure logic: the evaluator and the supervisor are stand-ins (the
 real evaluation runs in the `relayrl up` tests)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from relayrl.up.progress import Progress
 from relayrl.up.status import _eval_lines as status_lines_of_evals
 
 
-class Stack:
+class FakeSupervisor:
     engine_url = "http://127.0.0.1:1"
     run_dir = Path("/nonexistent")
     children: dict = {}
@@ -47,7 +47,7 @@ class FlakyEvaluator:
 
 def a_run(tmp_path: Path, evaluator: FlakyEvaluator, lines: list[str]) -> up_run.Run:
     run = up_run.Run(UpConfig(), tmp_path, say=lines.append)
-    run.stack = Stack()  # type: ignore[assignment]
+    run.supervisor = FakeSupervisor()  # type: ignore[assignment]
     run.evaluator = evaluator  # type: ignore[assignment]
     return run
 
@@ -80,7 +80,7 @@ def test_an_evaluation_that_fails_twice_is_recorded_and_shown_as_failed(tmp_path
     (record,) = [json.loads(x) for x in run.eval_log.read_text().splitlines()]
     assert record["failed"] is True and record["accuracy"] is None and record["step"] == 8
     assert not run._evaluated("periodic")  # a failed one is tried again after a resume
-    progress = Progress(tmp_path, Stack(), 20, lines.append)
+    progress = Progress(tmp_path, FakeSupervisor(), 20, lines.append)
     good = EvalRecord(
         kind="periodic", step=4, version=4, version_end=4, n=2, correct=1, accuracy=0.5,
         sampled_accuracy=None, seconds=1.0, time=0.0,
@@ -106,7 +106,7 @@ def test_progress_says_each_logged_step_once_and_status_says_a_failed_evaluation
 ) -> None:
     monkeypatch.setattr(up_progress, "replica_versions", lambda target, run_dir: None)
 
-    class Targets(Stack):
+    class Targets(FakeSupervisor):
         def target(self, name: str) -> str:
             return "127.0.0.1:1"
 

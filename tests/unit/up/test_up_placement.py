@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from relayrl.up.config import PlacementSection, UpConfig, parse_cpu_list
-from relayrl.up.stack import Stack
+from relayrl.up.supervisor import Supervisor
 
 
 def test_cpu_lists_read_as_taskset_writes_them() -> None:
@@ -40,11 +40,11 @@ def test_a_child_spawned_under_its_set_runs_there_and_the_spawner_is_put_back() 
     cpu = max(mine)
     stack = SimpleNamespace(config=SimpleNamespace(placement=PlacementSection(trainer=str(cpu))))
     probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
-    with Stack._pinned(stack, "trainer"):
+    with Supervisor._pinned(stack, "trainer"):
         child = subprocess.run(probe, capture_output=True, text=True, check=True)
     assert child.stdout.strip() == str([cpu])
     assert os.sched_getaffinity(0) == mine
-    with Stack._pinned(stack, "gateway"):  # no set: untouched
+    with Supervisor._pinned(stack, "gateway"):  # no set: untouched
         child = subprocess.run(probe, capture_output=True, text=True, check=True)
     assert child.stdout.strip() == str(sorted(mine))
 

@@ -19,10 +19,10 @@ from relayrl.tq.server import RedisServer
 from relayrl.trainer.progress import EXIT_NO_PROGRESS
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import RunFiles
-from relayrl.up.stack import ORDER, ChildSpec, Stack
+from relayrl.up.supervisor import ORDER, ChildSpec, Supervisor
 
 
-def a_stack(tmp_path: Path, **supervision: float) -> Stack:
+def a_stack(tmp_path: Path, **supervision: float) -> Supervisor:
     config = UpConfig.model_validate(
         {
             "supervision": supervision,
@@ -32,7 +32,7 @@ def a_stack(tmp_path: Path, **supervision: float) -> Stack:
     )
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
-    return Stack(
+    return Supervisor(
         config, run_dir, tmp_path / "model", RunFiles.in_dir(tmp_path), LocalPorts.placeholder()
     )
 

@@ -1,5 +1,7 @@
-"""`relayrl sim --reproduce-seed`: the reference figures for its simulator
-(docs/simulation.md#reference-figures), recomputed here side by side.
+"""`make bench-sim-reproduce`: the reference figures for relayrl's rollout pipeline simulator
+(docs/simulation.md#reference-figures), recomputed with `relayrl.sim` side by side.
+
+    python bench/sim_reproduce.py [--repeats 5] [--seed 0] [--json OUT.json] [--plot OUT.png]
 
 The seed's configuration: 64 slots, 64 rollouts per step, train 60 s, sync 10 s, 20 steps,
 durations from the episode model (EpisodeModel() defaults). The seed reports one 20-step run;
@@ -10,8 +12,12 @@ Nothing is fitted: the only inputs are the seed's configuration and the duration
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -312,3 +318,88 @@ def format_table(rep: Reproduction) -> list[str]:
     lines.append("")
     lines.extend(f"note: {note}" for note in rep.notes)
     return lines
+
+
+def plot_figure_13_1(path: Path, seed: int, steps: int) -> None:
+    """The seed's figure 13.1: 8 slots, 8 rollouts per step, sync above partial eta=1."""
+    from relayrl.sim.plot import plot_timelines, plot_until_s
+
+    small = replace(SEED_CONFIG, n_slots=8, batch_size=8, steps=max(steps, 1))
+    source = ModelSource(EpisodeModel())
+    sync = simulate_source(replace(small, eta=0), source, seed)
+    partial = simulate_source(replace(small, eta=1), source, seed)
+    plot_timelines(
+        [("sync (8 slots, 8 rollouts/step)", sync), ("partial rollout, eta=1", partial)],
+        path,
+        steps,
+    )
+    print(
+        f"wrote {path}: {steps} steps take {plot_until_s(sync, steps):,.0f} s (sync) and "
+        f"{plot_until_s(partial, steps):,.0f} s (partial eta=1) with seed {seed}; the seed's "
+        "figure 13.1 (one sample): 1,130 s and 493 s for four steps"
+    )
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="sim_reproduce",
+        description="The source's figures for the rollout pipeline simulator, side by side with "
+        "relayrl.sim's (docs/simulation.md#reference-figures).",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="runs per figure (default 5)")
+    parser.add_argument("--seed", type=int, default=0, help="first durations seed (default 0)")
+    parser.add_argument("--json", type=Path, metavar="OUT.json", help="write every figure")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png", help="figure 13.1's timelines")
+    parser.add_argument(
+        "--plot-steps", type=int, default=4, help="train steps the timeline shows (default 4)"
+    )
+    args = parser.parse_args(argv)
+    if not 1 <= args.repeats <= 100:
+        parser.error(f"--repeats must be in 1..100, got {args.repeats}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.plot_steps < 1:
+        parser.error(f"--plot-steps must be >= 1, got {args.plot_steps}")
+    for path in (args.json, args.plot):
+        if path is not None and not path.parent.is_dir():
+            parser.error(f"cannot write {path}: no directory {path.parent}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    rep = reproduce(num_seeds=args.repeats, first_seed=args.seed)
+    print(
+        "sim-reproduce: the reference configuration "
+        "(docs/simulation.md#reference-figures) "
+        f"({SEED_CONFIG.n_slots} slots, {SEED_CONFIG.batch_size} rollouts/step, train "
+        f"{SEED_CONFIG.train_time_s:g} s, sync {SEED_CONFIG.sync_time_s:g} s, "
+        f"{SEED_CONFIG.steps} steps), durations from EpisodeModel(), {args.repeats} runs per "
+        "figure"
+    )
+    print()
+    for line in format_table(rep):
+        print(line)
+    if args.json is not None:
+        figures = [
+            {
+                "figure": f.name,
+                "seed": f.seed_value,
+                "ours": f.ours,
+                "ratio": f.ratio,
+                "within_15_percent": f.within,
+                "per_run": list(f.per_run),
+                "why_if_outside": f.why,
+            }
+            for f in rep.figures
+        ]
+        data = {"seeds": list(rep.seeds), "figures": figures, "notes": list(rep.notes)}
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot_figure_13_1(args.plot, args.seed, args.plot_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -139,7 +139,7 @@ class Event:
 
 
 @dataclass
-class Stack:
+class Supervisor:
     """The children of one run, their configs and their supervision."""
 
     config: UpConfig
