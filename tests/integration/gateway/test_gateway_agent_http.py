@@ -161,6 +161,28 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.1)
 
 
+async def scripted_sessions(
+    tq: TransferQueue, tokenizer: PreTrainedTokenizerBase, *, health_checks: bool = False
+) -> tuple[ReplicaPool, ScriptedEngine, AgentSessions]:
+    """Started agent sessions on one scripted engine replica (`engine-0`)."""
+    pool = ReplicaPool(health_interval_s=0.1)
+    engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    await pool.add("engine-0", engine)
+    if health_checks:
+        pool.start_health_checks()
+    sessions = AgentSessions(
+        tq=tq,
+        pool=pool,
+        tokenizer=tokenizer,
+        config=AgentHttpConfig(),
+        claimer="test",
+        lease_s=60,
+        request_timeout_s=10,
+    )
+    await sessions.start()
+    return pool, engine, sessions
+
+
 def run_on_queue(
     redis_server: RedisServer, main: Callable[[TransferQueue], Awaitable[None]]
 ) -> None:
@@ -1025,20 +1047,8 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
         return ChatRequest(messages, None, TurnSampling(max_tokens=8))
 
     async def main(tq: TransferQueue) -> None:
-        pool = ReplicaPool(health_interval_s=0.1)
-        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        await pool.add("engine-0", engine)
-        pool.start_health_checks()  # the failure takes the replica out until its next check
-        sessions = AgentSessions(
-            tq=tq,
-            pool=pool,
-            tokenizer=tokenizer,
-            config=AgentHttpConfig(),
-            claimer="test",
-            lease_s=60,
-            request_timeout_s=10,
-        )
-        await sessions.start()
+        # health checks: the failure takes the replica out until its next check
+        pool, engine, sessions = await scripted_sessions(tq, tokenizer, health_checks=True)
         # A caller may not open ad-hoc sessions unless agent_http.adhoc_sessions says so.
         with pytest.raises(AgentError) as adhoc:
             await sessions.open_for_caller(SessionSpec(data_source="x"))
@@ -1097,20 +1107,7 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         return ChatRequest(messages, None, TurnSampling(max_tokens=8))
 
     async def main(tq: TransferQueue) -> None:
-        pool = ReplicaPool(health_interval_s=0.1)
-        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        await pool.add("engine-0", engine)
-        pool.start_health_checks()
-        sessions = AgentSessions(
-            tq=tq,
-            pool=pool,
-            tokenizer=tokenizer,
-            config=AgentHttpConfig(),
-            claimer="test",
-            lease_s=60,
-            request_timeout_s=10,
-        )
-        await sessions.start()
+        pool, engine, sessions = await scripted_sessions(tq, tokenizer, health_checks=True)
 
         async def session(script: list[str]) -> str:
             session_id = (await sessions.open(SessionSpec(data_source="x"))).session_id
@@ -1183,19 +1180,7 @@ def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
     posing = {"env_reward": "1.0", "env_reward_status": "ok", "task": "t"}
 
     async def main(tq: TransferQueue) -> None:
-        pool = ReplicaPool(health_interval_s=0.1)
-        engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        await pool.add("engine-0", engine)
-        sessions = AgentSessions(
-            tq=tq,
-            pool=pool,
-            tokenizer=tokenizer,
-            config=AgentHttpConfig(),
-            claimer="test",
-            lease_s=60,
-            request_timeout_s=10,
-        )
-        await sessions.start()
+        pool, engine, sessions = await scripted_sessions(tq, tokenizer)
         keys = []
         for reward in (EnvReward("fail", 0.25, "2 of 8 checks"), None):
             session_id = (

@@ -4,6 +4,7 @@ the parts every completion answer carries (usage, the `relayrl` object)."""
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, NoReturn, TypeVar
@@ -166,10 +167,10 @@ class SamplingRequest(OpenAIRequest):
     if TYPE_CHECKING:  # each route declares it last, after its log-prob fields
         return_token_ids: bool
 
+    @abstractmethod
     def logprob_alternatives(self) -> int | None:
         """None: no log-probs in the answer; else the alternatives per token besides the
-        sampled one (0: the sampled token's log-prob only)."""
-        raise NotImplementedError
+        sampled one (0: the sampled token's log-prob only). Each route reads its own fields."""
 
     def options(self) -> AnswerOptions:
         return AnswerOptions.of(self)
