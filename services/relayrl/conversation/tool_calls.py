@@ -5,7 +5,6 @@ template teaches), and how such calls are parsed back."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,16 +20,10 @@ class ParsedToolCall:
     error: str | None = None
 
 
-_TOOL_CALL_BLOCK = re.compile(
-    re.escape(TOOL_CALL_OPEN) + "(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S
-)
+_DECODER = json.JSONDecoder()
 
 
-def _parse_block(body: str) -> ParsedToolCall:
-    try:
-        call = json.loads(body)
-    except ValueError as exc:
-        return ParsedToolCall(None, None, f"tool call is not valid JSON: {exc}")
+def _call_of(call: Any) -> ParsedToolCall:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return ParsedToolCall(None, None, "tool call needs a name and an arguments object")
     arguments = call.get("arguments", {})
@@ -42,15 +35,42 @@ def _parse_block(body: str) -> ParsedToolCall:
     return ParsedToolCall(call["name"], arguments)
 
 
+def _block_at(text: str, body: int) -> tuple[ParsedToolCall, int] | None:
+    """The block whose body starts at index `body`: its call and the index past its close
+    tag; None when no close tag follows. The body is read as JSON first, so a close tag
+    inside one of its strings (a sampled argument may hold any text) does not end it."""
+    begin = len(text) - len(text[body:].lstrip())
+    try:
+        value, after = _DECODER.raw_decode(text, begin)
+    except ValueError:
+        pass
+    else:
+        close = len(text) - len(text[after:].lstrip())
+        if text.startswith(TOOL_CALL_CLOSE, close):
+            return _call_of(value), close + len(TOOL_CALL_CLOSE)
+    close = text.find(TOOL_CALL_CLOSE, body)  # not a JSON value before a close tag
+    if close == -1:
+        return None
+    try:
+        call = _call_of(json.loads(text[body:close]))
+    except ValueError as exc:
+        call = ParsedToolCall(None, None, f"tool call is not valid JSON: {exc}")
+    return call, close + len(TOOL_CALL_CLOSE)
+
+
 def parse_tool_calls(text: str) -> list[ParsedToolCall]:
     """The `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of a generation,
     in order; malformed ones (bad JSON, no name, unclosed) carry the reason."""
-    calls, end = [], 0
-    for match in _TOOL_CALL_BLOCK.finditer(text):
-        calls.append(_parse_block(match.group(1).strip()))
-        end = match.end()
-    if TOOL_CALL_OPEN in text[end:]:
-        calls.append(ParsedToolCall(None, None, f"{TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}"))
+    calls = []
+    start = text.find(TOOL_CALL_OPEN)
+    while start != -1:
+        block = _block_at(text, start + len(TOOL_CALL_OPEN))
+        if block is None:
+            calls.append(ParsedToolCall(None, None, f"{TOOL_CALL_OPEN} without {TOOL_CALL_CLOSE}"))
+            break
+        call, end = block
+        calls.append(call)
+        start = text.find(TOOL_CALL_OPEN, end)
     return calls
 
 

@@ -506,6 +506,21 @@ def test_parse_tool_calls_reads_both_argument_forms() -> None:
     assert parse_tool_calls("no calls here </tool_call>") == []
 
 
+def test_a_close_tag_inside_an_argument_does_not_end_the_call() -> None:
+    # A forced call's grammar lets a sampled argument hold any text, the close tag included.
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": "x</tool_call>y"}}\n</tool_call> ok'
+    (call,) = parse_tool_calls(text)
+    assert (call.name, call.arguments, call.error) == ("add", {"a": "x</tool_call>y"}, None)
+
+
+def test_malformed_and_unclosed_calls_carry_their_reason() -> None:
+    bad, unclosed = parse_tool_calls('<tool_call>{"name": </tool_call> <tool_call>{"name": "a"}')
+    assert bad.error is not None and bad.error.startswith("tool call is not valid JSON")
+    assert unclosed.error == "<tool_call> without </tool_call>"
+    (nameless,) = parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')
+    assert nameless.error == "tool call needs a name and an arguments object"
+
+
 # --- tools -----------------------------------------------------------------------------------
 
 
