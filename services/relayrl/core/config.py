@@ -84,6 +84,33 @@ class TlsServerConfig(StrictModel):
         return self
 
 
+class GrpcKeepaliveConfig(StrictModel):
+    """HTTP/2 keepalive pings on a gRPC connection (`keepalive:`): how a silent peer -- a
+    partition, a half-open connection, a host that vanished without closing anything -- is
+    noticed, also while a long call waits for its answer. A ping goes out every `time_s`; one
+    unanswered for `timeout_s` closes the connection and fails its calls with UNAVAILABLE, so
+    a peer that went silent is given up within `silent_peer_s` (docs/recovery.md#silent-peers).
+    A deadline bounds a call; this bounds the connection under it."""
+
+    time_s: float = Field(
+        20.0,
+        ge=1.0,
+        le=3600.0,
+        description="Interval of keepalive pings, with or without calls in flight.",
+    )
+    timeout_s: float = Field(
+        10.0,
+        ge=0.1,
+        le=3600.0,
+        description="How long a ping may go unanswered before the connection is closed.",
+    )
+
+    @property
+    def silent_peer_s(self) -> float:
+        """The longest a silent peer goes unnoticed: one interval, then one ping's timeout."""
+        return self.time_s + self.timeout_s
+
+
 class GrpcServerConfig(StrictModel):
     """How a service's gRPC server listens (`grpc:` section)."""
 
@@ -100,21 +127,17 @@ class GrpcServerConfig(StrictModel):
         le=MAX_GRPC_MESSAGE_BYTES,
         description="Largest message sent or received; trajectories and weight buckets are big.",
     )
-    keepalive_time_s: float = Field(
-        30.0, ge=1.0, le=86_400.0, description="Interval of server keepalive pings to clients."
-    )
-    keepalive_timeout_s: float = Field(
-        10.0,
-        ge=0.1,
-        le=3600.0,
-        description="How long to wait for a ping ack before closing the connection.",
+    keepalive: GrpcKeepaliveConfig = Field(
+        default_factory=GrpcKeepaliveConfig,
+        description="The server's own pings to its clients: a client that went silent is "
+        "dropped and its calls cancelled.",
     )
     min_ping_interval_s: float = Field(
         10.0,
         ge=0.0,
         le=3600.0,
         description="Shortest client ping interval accepted without data; clients pinging "
-        "faster are sent GOAWAY (too_many_pings). Keep it <= the clients' keepalive_time_s.",
+        "faster are sent GOAWAY (too_many_pings). Keep it <= the clients' keepalive.time_s.",
     )
     keepalive_permit_without_calls: bool = Field(
         True, description="Accept and send keepalive pings while no call is active."
@@ -204,15 +227,10 @@ class GrpcClientConfig(ClientCredentialsConfig):
         le=MAX_GRPC_MESSAGE_BYTES,
         description="Largest message sent or received.",
     )
-    keepalive_time_s: float = Field(
-        30.0,
-        ge=1.0,
-        le=86_400.0,
-        description="Interval of client keepalive pings; must be >= the server's "
-        "min_ping_interval_s.",
-    )
-    keepalive_timeout_s: float = Field(
-        10.0, ge=0.1, le=3600.0, description="How long to wait for a ping ack."
+    keepalive: GrpcKeepaliveConfig = Field(
+        default_factory=GrpcKeepaliveConfig,
+        description="Pings that notice a silent peer while a call waits or the channel idles; "
+        "keepalive.time_s must be >= the server's grpc.min_ping_interval_s.",
     )
     default_timeout_s: float = Field(
         30.0,

@@ -27,6 +27,7 @@ from relayrl.core.config import (
     ClientCredentialsConfig,
     ConfigError,
     GrpcClientConfig,
+    GrpcKeepaliveConfig,
     load_client_token,
 )
 from relayrl.core.interceptors import AUTHORIZATION_KEY, REQUEST_ID_KEY
@@ -40,20 +41,40 @@ ResponseT = TypeVar("ResponseT")
 def channel_options(
     *,
     max_message_bytes: int = 64 * MIB,
-    keepalive_time_s: float = 30.0,
-    keepalive_timeout_s: float = 10.0,
+    keepalive: GrpcKeepaliveConfig | None = None,
     keepalive_permit_without_calls: bool = True,
 ) -> list[tuple[str, int]]:
-    """Channel arguments matching the server's (see grpc_server.server_options). The client
-    keepalive interval must stay >= the server's min_ping_interval_s or the server sends
-    GOAWAY too_many_pings."""
+    """Channel arguments matching the server's (see grpc_server.server_options); `keepalive`
+    defaults to GrpcKeepaliveConfig's. The client keepalive interval must stay >= the server's
+    min_ping_interval_s or the server sends GOAWAY too_many_pings."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", round(keepalive_time_s * 1000)),
-        ("grpc.keepalive_timeout_ms", round(keepalive_timeout_s * 1000)),
-        ("grpc.keepalive_permit_without_calls", int(keepalive_permit_without_calls)),
+        *keepalive_options(keepalive or GrpcKeepaliveConfig(), keepalive_permit_without_calls),
     ]
+
+
+def keepalive_options(
+    keepalive: GrpcKeepaliveConfig, permit_without_calls: bool
+) -> list[tuple[str, int]]:
+    """The channel arguments that make `keepalive` hold, on a client or a server. gRPC's own
+    defaults do not: a ping is timed out by the HTTP/2 ping timeout (60 s), not by
+    keepalive_timeout_ms alone, and no more than two pings go out while no data does, so a
+    call waiting for a peer that went silent would stop pinging it (both measured with
+    grpcio 1.85; tests/integration/core/test_core_grpc_keepalive.py)."""
+    timeout_ms = milliseconds(keepalive.timeout_s)
+    return [
+        ("grpc.keepalive_time_ms", milliseconds(keepalive.time_s)),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", int(permit_without_calls)),
+    ]
+
+
+def milliseconds(seconds: float) -> int:
+    """A duration as gRPC's channel arguments take it."""
+    return round(seconds * 1000)
 
 
 class CallDefaults:
@@ -139,9 +160,7 @@ def make_channel(
     target: str,
     *,
     max_message_bytes: int = 64 * MIB,
-    keepalive_time_s: float = 30.0,
-    keepalive_timeout_s: float = 10.0,
-    keepalive_permit_without_calls: bool = True,
+    keepalive: GrpcKeepaliveConfig | None = None,
     default_timeout_s: float = 30.0,
     bearer_token: str | None = None,
     interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
@@ -153,12 +172,7 @@ def make_channel(
     implements only (grpc.aio)."""
     if not target:
         raise ValueError("target must be a gRPC target such as 'dns:///reward:50051'")
-    options = channel_options(
-        max_message_bytes=max_message_bytes,
-        keepalive_time_s=keepalive_time_s,
-        keepalive_timeout_s=keepalive_timeout_s,
-        keepalive_permit_without_calls=keepalive_permit_without_calls,
-    )
+    options = channel_options(max_message_bytes=max_message_bytes, keepalive=keepalive)
     chain = [*CallDefaults(default_timeout_s, bearer_token).interceptors(), *interceptors]
     if credentials is not None:
         return grpc.aio.secure_channel(target, credentials, options, interceptors=chain)
@@ -226,9 +240,7 @@ def channel_from_config(
     for errors)."""
     identity = ClientIdentity.from_config(config, label, environ)
     options = channel_options(
-        max_message_bytes=config.max_message_bytes,
-        keepalive_time_s=config.keepalive_time_s,
-        keepalive_timeout_s=config.keepalive_timeout_s,
+        max_message_bytes=config.max_message_bytes, keepalive=config.keepalive
     )
     chain = CallDefaults(config.default_timeout_s, identity.token).interceptors()
     if identity.credentials is not None:

@@ -50,6 +50,7 @@ from relayrl.core.config import (
     StaticTokenAuthConfig,
     TlsServerConfig,
 )
+from relayrl.core.grpc_client import keepalive_options, milliseconds
 from relayrl.core.interceptors import (
     AccessPolicy,
     AnyOfAuthenticator,
@@ -73,17 +74,11 @@ def server_options(config: GrpcServerConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.keepalive_time_ms", _ms(config.keepalive_time_s)),
-        ("grpc.keepalive_timeout_ms", _ms(config.keepalive_timeout_s)),
-        ("grpc.http2.min_ping_interval_without_data_ms", _ms(config.min_ping_interval_s)),
-        ("grpc.keepalive_permit_without_calls", int(config.keepalive_permit_without_calls)),
+        *keepalive_options(config.keepalive, config.keepalive_permit_without_calls),
+        ("grpc.http2.min_ping_interval_without_data_ms", milliseconds(config.min_ping_interval_s)),
         # Without this a second server could bind the same port and steal half the calls.
         ("grpc.so_reuseport", 0),
     ]
-
-
-def _ms(seconds: float) -> int:
-    return round(seconds * 1000)
 
 
 def host_port(host: str, port: int) -> str:

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from relayrl.core.config import (
     ClientCredentialsConfig,
     GrpcClientConfig,
+    GrpcKeepaliveConfig,
     ServiceConfig,
     StrictModel,
 )
@@ -346,6 +347,12 @@ class WeightSyncPublishSettings(ClientCredentialsConfig):
         "sync mode; async modes may overlap the switch with the next step).",
     )
     timeout_s: float = Field(600.0, gt=0, description="Deadline for publish and commit.")
+    keepalive: GrpcKeepaliveConfig = Field(
+        default_factory=GrpcKeepaliveConfig,
+        description="Pings that notice a silent weight-sync within the long publish and "
+        "commit calls (their deadline is timeout_s); keepalive.time_s must be >= "
+        "weight-sync's grpc.min_ping_interval_s.",
+    )
     delta: bool = Field(
         True,
         description="Send each bucket as what changed since the last version where weight-sync "

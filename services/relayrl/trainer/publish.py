@@ -135,6 +135,7 @@ class WeightSyncPublisher(WeightPublisher):
                 quantization=self._settings.quantization,
                 quantize_embeddings=self._settings.quantize_embeddings,
                 timeout_s=self._settings.timeout_s,
+                keepalive=self._settings.keepalive,
                 delta=self._settings.delta,
             )
         return self._sender

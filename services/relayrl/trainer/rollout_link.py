@@ -34,11 +34,7 @@ class GatewayLink:
         self._channel = sync_channel(
             config.target,
             ClientIdentity.from_config(config, "gateway"),
-            channel_options(
-                max_message_bytes=config.max_message_bytes,
-                keepalive_time_s=config.keepalive_time_s,
-                keepalive_timeout_s=config.keepalive_timeout_s,
-            ),
+            channel_options(max_message_bytes=config.max_message_bytes, keepalive=config.keepalive),
         )
         self._stub = rollout_pb2_grpc.RolloutGatewayStub(self._channel)
 

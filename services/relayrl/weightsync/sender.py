@@ -34,6 +34,7 @@ from relayrl.transfer.plan import DoubleBufferedPacker, layouts_from_plan, plan_
 from relayrl.transfer.shm import shares_host, write_bucket
 
 if TYPE_CHECKING:
+    from relayrl.core.config import GrpcKeepaliveConfig
     from relayrl.core.grpc_client import ClientIdentity
 
 Quantization = Literal["none", "fp8_per_tensor", "fp8_block_128"]
@@ -127,11 +128,13 @@ class WeightSyncSender:
         timeout_s: float = 600.0,
         chunk_bytes: int = 4 * 1024 * 1024,
         identity: ClientIdentity | None = None,
+        keepalive: GrpcKeepaliveConfig | None = None,
         delta: bool = False,
     ) -> None:
         """`identity`: the trainer's TLS and token towards weight-sync (none: plaintext,
-        anonymous); `delta`: send buckets as deltas of the last version where the service
-        allows it."""
+        anonymous); `keepalive`: how a silent weight-sync is noticed within a long call (the
+        default GrpcKeepaliveConfig when None); `delta`: send buckets as deltas of the last
+        version where the service allows it."""
         from relayrl.core.grpc_client import ClientIdentity, channel_options, sync_channel
         from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 
@@ -148,7 +151,7 @@ class WeightSyncSender:
         self._channel = sync_channel(
             target,
             identity or ClientIdentity(),
-            channel_options(max_message_bytes=256 * 1024 * 1024),
+            channel_options(max_message_bytes=256 * 1024 * 1024, keepalive=keepalive),
         )
         self._stub = weightsync_pb2_grpc.WeightSyncStub(self._channel)
 

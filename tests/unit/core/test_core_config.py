@@ -11,6 +11,7 @@ from pydantic import Field
 from relayrl.core.config import (
     ConfigError,
     GrpcClientConfig,
+    GrpcKeepaliveConfig,
     GrpcServerConfig,
     LoggingConfig,
     MetricsConfig,
@@ -96,9 +97,9 @@ def test_env_overrides_file_and_nests_with_double_underscores(tmp_path: Path) ->
 
 
 def test_env_field_names_are_case_insensitive() -> None:
-    env = {f"{PREFIX}__Grpc__Keepalive_Time_S": "12.5", f"{PREFIX}__logging__LEVEL": "warning"}
+    env = {f"{PREFIX}__Grpc__Keepalive__Time_S": "12.5", f"{PREFIX}__logging__LEVEL": "warning"}
     config = load_config(ServiceConfig, None, PREFIX, env)
-    assert config.grpc.keepalive_time_s == 12.5
+    assert config.grpc.keepalive.time_s == 12.5
     assert config.logging.level == "WARNING"
 
 
@@ -275,6 +276,7 @@ def test_dump_masks_inline_secrets() -> None:
         ServiceConfig,
         GrpcServerConfig,
         GrpcClientConfig,
+        GrpcKeepaliveConfig,
         MetricsConfig,
         NoAuthConfig,
         StaticTokenAuthConfig,
