@@ -82,6 +82,17 @@ class QueueBase:
     def close(self) -> None:
         self._redis.close()
 
+    def _block_ms(self, block_ms: int) -> int:
+        """`block_ms` of a blocking read, refused unless it ends before the connection's socket
+        timeout: a longer block would turn every quiet wait into a lost connection."""
+        timeout_s = self._redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout_s is not None and block_ms >= timeout_s * 1000:
+            raise InvalidInputError(
+                f"a blocking read of {block_ms} ms needs a Redis socket timeout above it "
+                f"(tq.socket_timeout_s is {timeout_s:g} s)"
+            )
+        return block_ms
+
     # -- keys and script plumbing ---------------------------------------------------------
 
     def _partitions_key(self) -> str:

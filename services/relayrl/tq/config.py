@@ -72,9 +72,25 @@ class TQConfig(StrictModel):
         "any Redis (a restart of it may lose the whole queue: for throwaway runs only).",
     )
     socket_timeout_s: float = Field(
-        30.0, gt=0, description="Timeout of one Redis command (a stuck Redis is an error)."
+        30.0,
+        gt=0,
+        le=3600,
+        description="Longest wait for Redis to answer one command: a Redis that went silent "
+        "(a partition, a half-open connection, a hung server) fails the command as unavailable "
+        "within it, and the caller retries on a new connection. It must exceed the block of "
+        "every blocking read made on the connection (a longer block is refused).",
     )
-    connect_timeout_s: float = Field(5.0, gt=0, description="Timeout to connect to Redis.")
+    connect_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="Longest wait for a connection to Redis to open."
+    )
+    health_check_interval_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="A pooled connection idle for this long is checked with a PING before its "
+        "next command, so one that died while idle (a restarted Redis, a proxy that dropped "
+        "it) fails the PING instead of the command; 0: never checked.",
+    )
 
     @model_validator(mode="after")
     def _tls_needs_rediss(self) -> TQConfig:

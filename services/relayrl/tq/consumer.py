@@ -78,7 +78,7 @@ class EventConsumer:
         with unavailable_as_tq_error():
             events = self._reclaim(count)
             if len(events) < count:
-                block_ms = None if events else max(1, round(block_s * 1000))
+                block_ms = None if events else self._tq._block_ms(max(1, round(block_s * 1000)))
                 reply = self._redis.xreadgroup(
                     self.group,
                     self.reader,

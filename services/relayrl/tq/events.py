@@ -89,7 +89,8 @@ class QueueEvents(QueueBase):
         codec.check_partition_name(partition)
         stream = self._events_key(partition)
         with unavailable_as_tq_error():
-            reply = self._redis.xread({stream: after}, count=count, block=block_ms)
+            block = None if block_ms is None else self._block_ms(block_ms)
+            reply = self._redis.xread({stream: after}, count=count, block=block)
         return [event_from_entry(i, f) for _, entries in reply or [] for i, f in entries]
 
     def wait_for_pending(
@@ -101,7 +102,7 @@ class QueueEvents(QueueBase):
         codec.check_partition_name(partition)
         stream = self._events_key(partition)
         with unavailable_as_tq_error():
-            reply = self._redis.xread({stream: after}, block=block_ms)
+            reply = self._redis.xread({stream: after}, block=self._block_ms(block_ms))
         last_id, pending = after, False
         for _, entries in reply or []:
             for entry_id, fields in entries:

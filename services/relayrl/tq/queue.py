@@ -102,6 +102,7 @@ def redis_options(config: TQConfig, environ: Mapping[str, str] = os.environ) -> 
         "password": password,
         "socket_timeout": config.socket_timeout_s,
         "socket_connect_timeout": config.connect_timeout_s,
+        "health_check_interval": config.health_check_interval_s,
     }
     if config.tls is not None:
         options["ssl_ca_certs"] = str(config.tls.ca_file)
@@ -141,7 +142,6 @@ class TransferQueue(QueueReads, QueueEvents):
             **redis_options(config),
             # No automatic retries: claim_groups is not idempotent, and callers decide.
             retry=Retry(NoBackoff(), 0),
-            health_check_interval=30,
         )
         tq = cls(
             client,
