@@ -111,6 +111,48 @@ class GrpcKeepaliveConfig(StrictModel):
         return self.time_s + self.timeout_s
 
 
+class TcpKeepaliveConfig(StrictModel):
+    """TCP keepalive on a plain TCP connection (`tcp_keepalive:`), for the links that have no
+    pings of their own (HTTP): after `idle_s` without traffic the kernel probes the peer every
+    `interval_s` and closes the connection after `probes` unanswered probes, and data left
+    unacknowledged as long closes it too. So a silent peer -- a partition, a half-open
+    connection, a host that vanished -- fails the call waiting on it within `silent_peer_s`,
+    however long the call's own deadline (docs/recovery.md#silent-peers). The peer's kernel
+    answers probes even while its process is too busy to run: a loaded peer is never taken
+    for a dead one."""
+
+    idle_s: int = Field(
+        10, ge=1, le=7200, description="Seconds without traffic before the first probe."
+    )
+    interval_s: int = Field(5, ge=1, le=600, description="Seconds between probes.")
+    probes: int = Field(
+        3, ge=1, le=20, description="Unanswered probes after which the connection is closed."
+    )
+
+    @property
+    def silent_peer_s(self) -> int:
+        """The longest a silent peer goes unnoticed."""
+        return self.idle_s + self.interval_s * self.probes
+
+
+class HttpLinkConfig(StrictModel):
+    """How an HTTP client notices a silent server (`http:`): a bound on opening the
+    connection, and TCP keepalive on it while a request waits."""
+
+    connect_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="Longest wait for the TCP connection to open (a dropped SYN, a server "
+        "whose backlog is full).",
+    )
+    tcp_keepalive: TcpKeepaliveConfig = Field(
+        default_factory=TcpKeepaliveConfig,
+        description="Probes that close a connection whose server went silent, also while a "
+        "long request (a generation) waits for its answer.",
+    )
+
+
 class GrpcServerConfig(StrictModel):
     """How a service's gRPC server listens (`grpc:` section)."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel, TokenSourceConfig
+from relayrl.inference.config import EngineHttpConfig
 from relayrl.tq.codec import check_partition_name
 from relayrl.tq.config import PartitionNames, TQConfig
 
@@ -46,6 +47,11 @@ class EnginesConfig(TokenSourceConfig):
     )
     unhealthy_after: int = Field(
         2, ge=1, le=100, description="Failed checks in a row that take a replica out of routing."
+    )
+    http: EngineHttpConfig = Field(
+        default_factory=EngineHttpConfig,
+        description="How a silent replica is noticed: connect, control-call and health-check "
+        "deadlines, and TCP keepalive under every call, a generation's included.",
     )
     request_timeout_s: float = Field(
         600.0,

@@ -185,7 +185,13 @@ class GatewayApp:
 
     def engine_client(self, url: str) -> VllmEngineClient:
         """A client of the replica at `url`, calling with the gateway's engine token."""
-        return VllmEngineClient(url, token=self._engine_token)
+        engines = self.config.engines
+        return VllmEngineClient(
+            url,
+            http=engines.http,
+            request_timeout_s=engines.request_timeout_s,
+            token=self._engine_token,
+        )
 
     async def start(self) -> None:
         initial = str(self.config.engines.initial_weight_version)

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from relayrl.inference.config import EngineHttpConfig
+
 if TYPE_CHECKING:
     import aiohttp
 
@@ -185,28 +187,48 @@ class VllmEngineClient(EngineClient):
         base_url: str,
         *,
         name: str | None = None,
+        http: EngineHttpConfig | None = None,
         request_timeout_s: float = 600.0,
-        control_timeout_s: float = 60.0,
+        rpc_timeout_s: float | None = None,
         token: str | None = None,
     ) -> None:
-        """`token`: sent as `Authorization: Bearer` to an engine that checks its callers
-        (relayrl.engine.guard)."""
+        """`http`: the connection's bounds, and those of control calls and health checks
+        (EngineHttpConfig's defaults when None); `request_timeout_s`: the deadline of a
+        generation (and of a pause that waits for generations); `rpc_timeout_s`: of a worker
+        RPC, e.g. a weight load (None: a control call's); `token`: sent as
+        `Authorization: Bearer` to an engine that checks its callers (relayrl.engine.guard)."""
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.name = name or self.base_url
+        self.http = http or EngineHttpConfig()
         self._request_timeout_s = request_timeout_s
-        self._control_timeout_s = control_timeout_s
+        self._rpc_timeout_s = rpc_timeout_s or self.http.control_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         import aiohttp
 
+        from relayrl.core.sockets import keepalive_socket_factory
+
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            connector = aiohttp.TCPConnector(
+                limit=0,
+                keepalive_timeout=KEEPALIVE_S,
+                socket_factory=keepalive_socket_factory(self.http.tcp_keepalive),
+            )
             self._session = aiohttp.ClientSession(
                 connector=connector, trust_env=False, headers=self._headers
             )
         return self._session
+
+    def call_timeout(self, total_s: float | None = None) -> aiohttp.ClientTimeout:
+        """The bounds of one call: `total_s` (a control call's deadline when None), and the
+        connection's own."""
+        import aiohttp
+
+        return aiohttp.ClientTimeout(
+            total=total_s or self.http.control_timeout_s, sock_connect=self.http.connect_timeout_s
+        )
 
     async def _call(
         self,
@@ -219,7 +241,7 @@ class VllmEngineClient(EngineClient):
     ) -> Any:
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self._control_timeout_s)
+        timeout = self.call_timeout(timeout_s)
         url = self.base_url + path
         try:
             async with self._http().request(
@@ -272,13 +294,15 @@ class VllmEngineClient(EngineClient):
 
     async def health(self) -> bool:
         try:
-            await self._call("GET", "/health", timeout_s=5.0)
+            await self._call("GET", "/health", timeout_s=self.http.health_timeout_s)
         except EngineError:
             return False
         return True
 
     async def pause(self, mode: PauseMode) -> None:
-        await self._call("POST", "/pause", params={"mode": mode})
+        # `wait` lasts until the generations in flight end: their deadline, not a control call's
+        timeout_s = self._request_timeout_s if mode == "wait" else None
+        await self._call("POST", "/pause", params={"mode": mode}, timeout_s=timeout_s)
 
     async def resume(self) -> None:
         await self._call("POST", "/resume")
@@ -302,7 +326,9 @@ class VllmEngineClient(EngineClient):
         if not method.startswith("relayrl_"):
             raise ValueError(f"{method!r} is not a relayrl worker-extension method")
         body = {"method": method, "args": [json.dumps(payload)]}
-        answer = await self._call("POST", "/collective_rpc", body=body)
+        answer = await self._call(
+            "POST", "/collective_rpc", body=body, timeout_s=self._rpc_timeout_s
+        )
         return list(answer["results"]) if answer else []
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from relayrl.core.config import MIB, GrpcClientConfig, ServiceConfig, StrictModel, TokenSourceConfig
+from relayrl.inference.config import EngineHttpConfig
 
 
 class EnginesSettings(TokenSourceConfig):
@@ -22,6 +23,11 @@ class EnginesSettings(TokenSourceConfig):
     )
     load_timeout_s: float = Field(
         300.0, gt=0, description="Deadline for one replica to receive and load a version."
+    )
+    http: EngineHttpConfig = Field(
+        default_factory=EngineHttpConfig,
+        description="How a silent replica is noticed: connect and control-call deadlines, and "
+        "TCP keepalive under every call, a load's included.",
     )
     attempts: int = Field(
         3,

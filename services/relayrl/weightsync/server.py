@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from relayrl.core.access import WEIGHTSYNC_ACCESS
 from relayrl.core.config import load_client_token
 from relayrl.core.grpc_server import GrpcService, build_service, serve_process, write_ready_file
+from relayrl.inference.config import EngineHttpConfig
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator
 from relayrl.weightsync.metrics import WeightSyncMetrics
@@ -85,12 +86,13 @@ class GatewayControl:
         await self._channel.close()
 
 
-def engine_clients(token: str | None) -> Any:
-    """The factory of clients of the engines, calling with weight-sync's engine token."""
+def engine_clients(http: EngineHttpConfig, token: str | None) -> Any:
+    """The factory of clients of the engines, bounded by `http` and calling with weight-sync's
+    engine token; a client's `rpc_timeout_s` bounds its worker RPCs (a load, a ping)."""
     from relayrl.inference.client import VllmEngineClient
 
-    def engine_client(url: str, timeout_s: float) -> Any:
-        return VllmEngineClient(url, control_timeout_s=timeout_s, token=token)
+    def engine_client(url: str, rpc_timeout_s: float) -> Any:
+        return VllmEngineClient(url, http=http, rpc_timeout_s=rpc_timeout_s, token=token)
 
     return engine_client
 
@@ -104,7 +106,9 @@ class WeightSyncApp:
         self.coordinator = Coordinator(
             config,
             self.metrics,
-            engine_factory=engine_clients(load_client_token(config.engines, "engines")),
+            engine_factory=engine_clients(
+                config.engines.http, load_client_token(config.engines, "engines")
+            ),
             gateway=self.gateway,
             advertise_target=self.advertise_target,
         )

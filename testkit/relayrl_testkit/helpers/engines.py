@@ -21,6 +21,7 @@ from typing import Any
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.inference.client import VllmEngineClient
+from relayrl.inference.config import EngineHttpConfig
 
 # What the test engines share unless a test asks for other settings: long enough for every
 # prompt + response the tests send (the longest, 400 tokens after a short prompt); the tests
@@ -69,7 +70,9 @@ def engine_call(engine: EngineProcess, scenario: Any) -> Any:
     """`await scenario(client)` with a fresh client of `engine`, from synchronous code."""
 
     async def main() -> Any:
-        client = VllmEngineClient(engine.url, control_timeout_s=120)
+        client = VllmEngineClient(
+            engine.url, http=EngineHttpConfig(control_timeout_s=120), rpc_timeout_s=120
+        )
         try:
             return await scenario(client)
         finally:

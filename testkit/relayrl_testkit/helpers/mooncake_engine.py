@@ -28,6 +28,7 @@ from relayrl.core.service_process import ServiceProcess
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.inference.client import VllmEngineClient
+from relayrl.inference.config import EngineHttpConfig
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.sender import WeightSyncSender, export_tensors
@@ -37,7 +38,9 @@ BUCKET = 96 * 1024
 
 def worker_rpc(engine: EngineProcess, method: str, payload: dict[str, Any]) -> list[Any]:
     async def call() -> list[Any]:
-        client = VllmEngineClient(engine.url, control_timeout_s=120)
+        client = VllmEngineClient(
+            engine.url, http=EngineHttpConfig(control_timeout_s=120), rpc_timeout_s=120
+        )
         try:
             return await client.worker_rpc(method, payload)
         finally:

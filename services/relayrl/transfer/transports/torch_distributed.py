@@ -67,6 +67,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from relayrl.core.config import TcpKeepaliveConfig
+from relayrl.core.sockets import apply_tcp_keepalive
 from relayrl.transfer.transports.base import (
     BucketSink,
     BucketSource,
@@ -98,7 +100,7 @@ _MAX_HELLO_BYTES = 4096
 # TCP keepalive on the lifelines: a peer host that vanishes (no FIN, no RST) is declared lost
 # after about idle + interval * count seconds; the kernel answers probes even when the peer
 # process is too busy to run, so a loaded peer is never taken for a dead one.
-_KEEPALIVE = {"TCP_KEEPIDLE": 5, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}
+_LIFELINE_KEEPALIVE = TcpKeepaliveConfig(idle_s=5, interval_s=2, probes=3)
 
 
 def _present_key(name: str) -> str:
@@ -192,10 +194,7 @@ class _Lifelines:
 
     def add(self, peer: str, conn: socket.socket) -> None:
         conn.setblocking(False)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for option, value in _KEEPALIVE.items():
-            if hasattr(socket, option):  # Linux
-                conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        apply_tcp_keepalive(conn, _LIFELINE_KEEPALIVE)
         self._heard[conn] = bytearray()
         self._selector.register(conn, selectors.EVENT_READ, peer)
 

@@ -1,0 +1,102 @@
+"""The engine HTTP client is bounded as `engines.http` says, and an engine that went silent
+fails its calls within those bounds (docs/recovery.md#silent-peers)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from relayrl.core.config import TcpKeepaliveConfig
+from relayrl.inference.client import EngineUnavailable, VllmEngineClient
+from relayrl.inference.config import EngineHttpConfig
+from relayrl_testkit.helpers.silent_peer import SilentListener
+
+SHORT = EngineHttpConfig(
+    connect_timeout_s=0.3,
+    control_timeout_s=0.3,
+    health_timeout_s=0.3,
+    tcp_keepalive=TcpKeepaliveConfig(idle_s=7, interval_s=3, probes=2),
+)
+SLACK_S = 1.0
+
+
+def test_default_bounds_notice_a_silent_engine_within_30_s() -> None:
+    http = EngineHttpConfig()
+    bounds = [http.connect_timeout_s, http.control_timeout_s, http.health_timeout_s]
+    assert max(bounds) <= 30 and http.tcp_keepalive.silent_peer_s <= 30
+
+
+def test_every_call_bounds_the_connect_and_defaults_to_the_control_deadline() -> None:
+    client = VllmEngineClient("http://engine:8000", http=SHORT, request_timeout_s=600)
+    control = client.call_timeout()
+    assert (control.total, control.sock_connect) == (0.3, 0.3)
+    assert client.call_timeout(600).sock_connect == 0.3
+
+
+@asynccontextmanager
+async def answering_server() -> AsyncIterator[str]:
+    """An HTTP server that answers every request with the head of a 200 and holds its body
+    back, so the client's connection stays open while the test looks at it."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client goes
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def test_the_clients_connections_carry_tcp_keepalive() -> None:
+    async def scenario() -> dict[str, int]:
+        async with answering_server() as url:
+            client = VllmEngineClient(url, http=SHORT)
+            try:
+                async with client._http().get(url + "/health") as response:
+                    sock = response.connection.transport.get_extra_info("socket")
+                    return {
+                        name: sock.getsockopt(level, getattr(socket, name))
+                        for level, name in (
+                            (socket.SOL_SOCKET, "SO_KEEPALIVE"),
+                            (socket.IPPROTO_TCP, "TCP_KEEPIDLE"),
+                            (socket.IPPROTO_TCP, "TCP_KEEPINTVL"),
+                            (socket.IPPROTO_TCP, "TCP_KEEPCNT"),
+                            (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT"),
+                        )
+                    }
+            finally:
+                await client.close()
+
+    assert asyncio.run(scenario()) == {
+        "SO_KEEPALIVE": 1,
+        "TCP_KEEPIDLE": 7,
+        "TCP_KEEPINTVL": 3,
+        "TCP_KEEPCNT": 2,
+        "TCP_USER_TIMEOUT": 13_000,
+    }
+
+
+def test_a_silent_engine_fails_control_calls_and_health_checks_within_their_deadlines() -> None:
+    async def scenario(url: str) -> None:
+        client = VllmEngineClient(url, http=SHORT)
+        try:
+            start = time.monotonic()
+            with pytest.raises(EngineUnavailable):
+                await client.pause("keep")
+            assert time.monotonic() - start < SHORT.control_timeout_s + SLACK_S
+            start = time.monotonic()
+            assert await client.health() is False
+            assert time.monotonic() - start < SHORT.health_timeout_s + SLACK_S
+        finally:
+            await client.close()
+
+    with SilentListener() as engine:
+        asyncio.run(scenario(f"http://{engine.address}"))
