@@ -8,13 +8,18 @@ connection, for the tests of docs/recovery.md#silent-peers.
   (a partition that opens under an established connection: nothing is reset or closed).
 
 Both run on daemon threads and are stopped by `close()` (or leaving the `with` block).
+`held_http_server` keeps an HTTP client's connection open (a response whose body never
+comes) so that a test can read the options of the client's socket
+(`tcp_keepalive_options`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
 
@@ -122,3 +127,34 @@ class BlackHoleProxy(_Acceptor):
                 sink.sendall(data)
             except OSError:
                 return
+
+
+@contextlib.asynccontextmanager
+async def held_http_server() -> AsyncIterator[str]:
+    """The base URL of an HTTP server that answers every request with the head of a 200 and
+    holds its body back until the client goes."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def tcp_keepalive_options(sock: socket.socket) -> dict[str, int]:
+    """The keepalive options a connected socket carries (Linux names)."""
+    return {
+        name: sock.getsockopt(level, getattr(socket, name))
+        for level, name in (
+            (socket.SOL_SOCKET, "SO_KEEPALIVE"),
+            (socket.IPPROTO_TCP, "TCP_KEEPIDLE"),
+            (socket.IPPROTO_TCP, "TCP_KEEPINTVL"),
+            (socket.IPPROTO_TCP, "TCP_KEEPCNT"),
+            (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT"),
+        )
+    }

@@ -4,17 +4,18 @@ fails its calls within those bounds (docs/recovery.md#silent-peers)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 
 from relayrl.core.config import TcpKeepaliveConfig
 from relayrl.inference.client import EngineUnavailable, VllmEngineClient
 from relayrl.inference.config import EngineHttpConfig
-from relayrl_testkit.helpers.silent_peer import SilentListener
+from relayrl_testkit.helpers.silent_peer import (
+    SilentListener,
+    held_http_server,
+    tcp_keepalive_options,
+)
 
 SHORT = EngineHttpConfig(
     connect_timeout_s=0.3,
@@ -38,40 +39,15 @@ def test_every_call_bounds_the_connect_and_defaults_to_the_control_deadline() ->
     assert client.call_timeout(600).sock_connect == 0.3
 
 
-@asynccontextmanager
-async def answering_server() -> AsyncIterator[str]:
-    """An HTTP server that answers every request with the head of a 200 and holds its body
-    back, so the client's connection stays open while the test looks at it."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n")
-        await writer.drain()
-        await reader.read()  # until the client goes
-        writer.close()
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    async with server:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-
 def test_the_clients_connections_carry_tcp_keepalive() -> None:
     async def scenario() -> dict[str, int]:
-        async with answering_server() as url:
+        async with held_http_server() as url:
             client = VllmEngineClient(url, http=SHORT)
             try:
                 async with client._http().get(url + "/health") as response:
-                    sock = response.connection.transport.get_extra_info("socket")
-                    return {
-                        name: sock.getsockopt(level, getattr(socket, name))
-                        for level, name in (
-                            (socket.SOL_SOCKET, "SO_KEEPALIVE"),
-                            (socket.IPPROTO_TCP, "TCP_KEEPIDLE"),
-                            (socket.IPPROTO_TCP, "TCP_KEEPINTVL"),
-                            (socket.IPPROTO_TCP, "TCP_KEEPCNT"),
-                            (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT"),
-                        )
-                    }
+                    return tcp_keepalive_options(
+                        response.connection.transport.get_extra_info("socket")
+                    )
             finally:
                 await client.close()
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from relayrl.core.config import StrictModel
+from relayrl.core.config import HttpLinkConfig, StrictModel
 from relayrl.reward.items import (
     InfraError,
     InvalidItem,
@@ -297,6 +297,11 @@ class HttpJudgeConfigBase(ManagerConfigBase):
     max_concurrent: int = Field(
         64, ge=1, le=4096, description="Most HTTP requests of this manager in flight at once."
     )
+    http: HttpLinkConfig = Field(
+        default_factory=HttpLinkConfig,
+        description="How a silent judge is noticed: the connect deadline, and TCP keepalive "
+        "under every request (timeout_s, when set, bounds the request itself).",
+    )
     max_retries: int = Field(
         2,
         ge=0,
@@ -365,11 +370,19 @@ class JudgeClient:
     def _open(self) -> aiohttp.ClientSession:
         import aiohttp
 
+        from relayrl.core.sockets import keepalive_socket_factory
+
         if self._session is None or self._session.closed:
+            http = self._config.http
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._config.max_concurrent),
+                connector=aiohttp.TCPConnector(
+                    limit=self._config.max_concurrent,
+                    socket_factory=keepalive_socket_factory(http.tcp_keepalive),
+                ),
                 headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=self._config.timeout_s),
+                timeout=aiohttp.ClientTimeout(
+                    total=self._config.timeout_s, sock_connect=http.connect_timeout_s
+                ),
             )
         return self._session
 
