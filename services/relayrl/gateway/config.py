@@ -6,7 +6,13 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from relayrl.core.config import GrpcClientConfig, ServiceConfig, StrictModel, TokenSourceConfig
+from relayrl.core.config import (
+    GrpcClientConfig,
+    HttpLinkConfig,
+    ServiceConfig,
+    StrictModel,
+    TokenSourceConfig,
+)
 from relayrl.inference.config import EngineHttpConfig
 from relayrl.tq.codec import check_partition_name
 from relayrl.tq.config import PartitionNames, TQConfig
@@ -31,6 +37,11 @@ class KubernetesDiscoveryConfig(StrictModel):
     api_host: str | None = Field(
         None,
         description="API server URL; null: the in-cluster service account (or ~/.kube/config).",
+    )
+    http: HttpLinkConfig = Field(
+        default_factory=HttpLinkConfig,
+        description="How a silent API server is noticed: the connect deadline, and TCP "
+        "keepalive under the list and the long watch (the client's own is 165 s).",
     )
 
 

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from relayrl.core.sockets import keepalive_socket_options
 from relayrl.gateway.config import KubernetesDiscoveryConfig
 from relayrl.gateway.replicas import ReplicaPool
 from relayrl.inference.client import EngineClient, VllmEngineClient
@@ -77,17 +78,29 @@ class EndpointSliceDiscovery:
         self._stopping = False
 
     def _build_api(self) -> Any:
+        import urllib3
         from kubernetes import client, config
 
         if self._config.api_host:
             configuration = client.Configuration()
             configuration.host = self._config.api_host
-            return client.DiscoveryV1Api(client.ApiClient(configuration))
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        return client.DiscoveryV1Api()
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            configuration = client.Configuration.get_default_copy()
+        # urllib3 replaces its default options (TCP_NODELAY) by the ones it is given
+        configuration.socket_options = [
+            *urllib3.connection.HTTPConnection.default_socket_options,
+            *keepalive_socket_options(self._config.http.tcp_keepalive),
+        ]
+        return client.DiscoveryV1Api(client.ApiClient(configuration))
+
+    def _timeout(self) -> tuple[float, None]:
+        """(connect, read) of a list or watch: the read is left to TCP keepalive, since a
+        watch is quiet for as long as nothing changes."""
+        return (self._config.http.connect_timeout_s, None)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="endpointslice-discovery")
@@ -120,6 +133,7 @@ class EndpointSliceDiscovery:
             self._api.list_namespaced_endpoint_slice,
             self._config.namespace,
             label_selector=f"{SERVICE_LABEL}={self._config.service}",
+            _request_timeout=self._timeout(),
         )
         self._slices = {item.metadata.name: item for item in answer.items}
         await self._reconcile()
@@ -140,6 +154,7 @@ class EndpointSliceDiscovery:
                     label_selector=f"{SERVICE_LABEL}={self._config.service}",
                     resource_version=resource_version,
                     timeout_seconds=self._config.watch_timeout_s,
+                    _request_timeout=self._timeout(),
                 ):
                     loop.call_soon_threadsafe(events.put_nowait, event)
             finally:

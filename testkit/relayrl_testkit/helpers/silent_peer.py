@@ -10,7 +10,7 @@ connection, for the tests of docs/recovery.md#silent-peers.
 Both run on daemon threads and are stopped by `close()` (or leaving the `with` block).
 `held_http_server` keeps an HTTP client's connection open (a response whose body never
 comes) so that a test can read the options of the client's socket
-(`tcp_keepalive_options`).
+(`keepalive_options_of`).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ async def held_http_server() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
-def tcp_keepalive_options(sock: socket.socket) -> dict[str, int]:
+def keepalive_options_of(sock: socket.socket) -> dict[str, int]:
     """The keepalive options a connected socket carries (Linux names)."""
     return {
         name: sock.getsockopt(level, getattr(socket, name))

@@ -14,7 +14,7 @@ from relayrl.inference.config import EngineHttpConfig
 from relayrl_testkit.helpers.silent_peer import (
     SilentListener,
     held_http_server,
-    tcp_keepalive_options,
+    keepalive_options_of,
 )
 
 SHORT = EngineHttpConfig(
@@ -45,7 +45,7 @@ def test_the_clients_connections_carry_tcp_keepalive() -> None:
             client = VllmEngineClient(url, http=SHORT)
             try:
                 async with client._http().get(url + "/health") as response:
-                    return tcp_keepalive_options(
+                    return keepalive_options_of(
                         response.connection.transport.get_extra_info("socket")
                     )
             finally:

@@ -8,7 +8,7 @@ import asyncio
 
 from relayrl.core.config import HttpLinkConfig, TcpKeepaliveConfig
 from relayrl.reward.managers.judge import JudgeClient, RemoteConfig
-from relayrl_testkit.helpers.silent_peer import held_http_server, tcp_keepalive_options
+from relayrl_testkit.helpers.silent_peer import held_http_server, keepalive_options_of
 
 LINK = HttpLinkConfig(
     connect_timeout_s=0.5, tcp_keepalive=TcpKeepaliveConfig(idle_s=6, interval_s=2, probes=4)
@@ -28,7 +28,7 @@ def test_the_judge_client_bounds_its_connections() -> None:
                 session = client._open()
                 async with session.post(client.url, data=b"{}") as response:
                     sock = response.connection.transport.get_extra_info("socket")
-                    return session.timeout.sock_connect, tcp_keepalive_options(sock)
+                    return session.timeout.sock_connect, keepalive_options_of(sock)
             finally:
                 await client.close()
 
