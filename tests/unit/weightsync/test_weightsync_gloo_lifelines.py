@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from relayrl.transfer.transports.base import PEER_KEEPALIVE
 from relayrl.transfer.transports.torch_distributed import (
     _FAREWELL_ABORT,
     _FAREWELL_DONE,
@@ -16,6 +17,7 @@ from relayrl.transfer.transports.torch_distributed import (
     _Lifelines,
     _StoreEndpoint,
 )
+from relayrl_testkit.helpers.silent_peer import keepalive_options_of
 
 
 @pytest.fixture
@@ -49,6 +51,24 @@ def failure_once_closed(endpoint: _StoreEndpoint) -> _Failure | None:
             return failure
     assert not len(endpoint._lifelines), "the lifeline did not close"
     return None
+
+
+def test_a_lifeline_is_probed_so_that_a_vanished_host_is_lost_within_11_s() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        peer = socket.create_connection(listener.getsockname(), timeout=5)
+        ours, _ = listener.accept()
+    lifelines = _Lifelines()
+    lifelines.add("receiver 1", ours)
+    assert PEER_KEEPALIVE.silent_peer_s == 11
+    assert keepalive_options_of(ours) == {
+        "SO_KEEPALIVE": 1,
+        "TCP_KEEPIDLE": PEER_KEEPALIVE.idle_s,
+        "TCP_KEEPINTVL": PEER_KEEPALIVE.interval_s,
+        "TCP_KEEPCNT": PEER_KEEPALIVE.probes,
+        "TCP_USER_TIMEOUT": PEER_KEEPALIVE.silent_peer_s * 1000,
+    }
+    peer.close()
+    lifelines.close(b"")
 
 
 def test_an_open_lifeline_is_no_loss(peer_and_lifelines: tuple[socket.socket, _Lifelines]) -> None:

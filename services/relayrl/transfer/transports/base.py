@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, Self
 
 import torch
 
+from relayrl.core.config import TcpKeepaliveConfig
 from relayrl.core.dotted import import_object
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ TRANSPORTS: Final[dict[str, tuple[str, str]]] = {
 
 DEVICE_TYPES: Final = ("cpu", "cuda")
 MOONCAKE_PROTOCOLS: Final = ("tcp", "rdma")
+
+# TCP keepalive on the connections between peers of a transfer (torch_distributed's lifelines,
+# Mooncake's control channels): a peer host that vanishes (no FIN, no RST) is declared lost
+# after `silent_peer_s` (11 s); the kernel answers probes even when the peer process is too
+# busy to run, so a loaded peer is never taken for a dead one.
+PEER_KEEPALIVE: Final = TcpKeepaliveConfig(idle_s=5, interval_s=2, probes=3)
 
 
 class TransportError(RuntimeError):

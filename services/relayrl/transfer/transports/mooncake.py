@@ -20,9 +20,10 @@ and polls them (so that the deadline is ours and no core spins), then sends READ
 
 Failures. A peer that dies closes its control connections, which its partners see at once; a
 failing side sends ABORT with its reason to everyone it is connected to, so the others fail at
-once instead of at their deadline; a peer that hangs is caught by the deadline (`timeout_s`
-per wait). Mooncake listens on every interface even when given 127.0.0.1, so tests run it in a
-private network namespace.
+once instead of at their deadline; a peer host that vanishes without closing anything is
+caught by TCP keepalive on the control channels (`PEER_KEEPALIVE`, 11 s), and a peer that
+hangs by the deadline (`timeout_s` per wait). Mooncake listens on every interface even when
+given 127.0.0.1, so tests run it in a private network namespace.
 
 Engines. Each sink or source starts its own Mooncake engine (a millisecond) and destroys it
 at close, which takes about a second with the GIL held; a process that syncs weights often
@@ -48,7 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from relayrl.core.sockets import apply_tcp_keepalive
 from relayrl.transfer.transports.base import (
+    PEER_KEEPALIVE,
     BucketSink,
     BucketSource,
     Deadline,
@@ -172,6 +175,7 @@ class _Channel:
     """One control connection: framed messages out, buffered and parsed messages in."""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
+        apply_tcp_keepalive(sock, PEER_KEEPALIVE)  # a vanished host: an error, not the deadline
         self.sock = sock
         self.peer = peer
         self.peer_closed = False

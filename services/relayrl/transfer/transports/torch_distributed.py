@@ -31,8 +31,8 @@ death waits for gloo's timeout (measured: in up to half of the runs with 8 MiB b
 with more than two receivers gloo's broadcast tree relays through receivers, so a receiver may
 wait on a dead receiver that the sender never talks to. The abort key lives in the store that
 sender 0 hosts, which goes when sender 0 dies or, failing, destroys its group (which holds the
-last reference), often before the others' next look. TCP keepalive on the lifelines (about
-11 s) also catches a peer host that vanishes without closing anything.
+last reference), often before the others' next look. TCP keepalive on the lifelines
+(`PEER_KEEPALIVE`, 11 s) also catches a peer host that vanishes without closing anything.
 
 Deadlines and failures. Every group is built with `timeout_s` as its operation timeout, and
 every wait polls the broadcast against its own deadline of `timeout_s`, so a peer that never
@@ -67,9 +67,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from relayrl.core.config import TcpKeepaliveConfig
 from relayrl.core.sockets import apply_tcp_keepalive
 from relayrl.transfer.transports.base import (
+    PEER_KEEPALIVE,
     BucketSink,
     BucketSource,
     Deadline,
@@ -97,10 +97,6 @@ _FAREWELL_DONE = b"D"
 _FAREWELL_ABORT = b"A"
 _MAX_FAREWELL_BYTES = 4096  # fits the empty send buffer of a lifeline: sent without blocking
 _MAX_HELLO_BYTES = 4096
-# TCP keepalive on the lifelines: a peer host that vanishes (no FIN, no RST) is declared lost
-# after about idle + interval * count seconds; the kernel answers probes even when the peer
-# process is too busy to run, so a loaded peer is never taken for a dead one.
-_LIFELINE_KEEPALIVE = TcpKeepaliveConfig(idle_s=5, interval_s=2, probes=3)
 
 
 def _present_key(name: str) -> str:
@@ -194,7 +190,7 @@ class _Lifelines:
 
     def add(self, peer: str, conn: socket.socket) -> None:
         conn.setblocking(False)
-        apply_tcp_keepalive(conn, _LIFELINE_KEEPALIVE)
+        apply_tcp_keepalive(conn, PEER_KEEPALIVE)
         self._heard[conn] = bytearray()
         self._selector.register(conn, selectors.EVENT_READ, peer)
 
