@@ -26,12 +26,6 @@ SHORT = EngineHttpConfig(
 SLACK_S = 1.0
 
 
-def test_default_bounds_notice_a_silent_engine_within_30_s() -> None:
-    http = EngineHttpConfig()
-    bounds = [http.connect_timeout_s, http.control_timeout_s, http.health_timeout_s]
-    assert max(bounds) <= 30 and http.tcp_keepalive.silent_peer_s <= 30
-
-
 def test_every_call_bounds_the_connect_and_defaults_to_the_control_deadline() -> None:
     client = VllmEngineClient("http://engine:8000", http=SHORT, request_timeout_s=600)
     control = client.call_timeout()

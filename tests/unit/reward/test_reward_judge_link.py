@@ -15,11 +15,6 @@ LINK = HttpLinkConfig(
 )
 
 
-def test_default_link_notices_a_silent_judge_within_30_s() -> None:
-    link = HttpLinkConfig()
-    assert link.connect_timeout_s <= 30 and link.tcp_keepalive.silent_peer_s <= 30
-
-
 def test_the_judge_client_bounds_its_connections() -> None:
     async def scenario() -> tuple[float | None, dict[str, int]]:
         async with held_http_server() as url:
