@@ -200,9 +200,9 @@ class VllmEngineClient(EngineClient):
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.name = name or self.base_url
-        self.http = http or EngineHttpConfig()
+        self.bounds = http or EngineHttpConfig()
         self._request_timeout_s = request_timeout_s
-        self._rpc_timeout_s = rpc_timeout_s or self.http.control_timeout_s
+        self._rpc_timeout_s = rpc_timeout_s or self.bounds.control_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -214,7 +214,7 @@ class VllmEngineClient(EngineClient):
             connector = aiohttp.TCPConnector(
                 limit=0,
                 keepalive_timeout=KEEPALIVE_S,
-                socket_factory=keepalive_socket_factory(self.http.tcp_keepalive),
+                socket_factory=keepalive_socket_factory(self.bounds.tcp_keepalive),
             )
             self._session = aiohttp.ClientSession(
                 connector=connector, trust_env=False, headers=self._headers
@@ -227,7 +227,8 @@ class VllmEngineClient(EngineClient):
         import aiohttp
 
         return aiohttp.ClientTimeout(
-            total=total_s or self.http.control_timeout_s, sock_connect=self.http.connect_timeout_s
+            total=total_s or self.bounds.control_timeout_s,
+            sock_connect=self.bounds.connect_timeout_s,
         )
 
     async def _call(
@@ -294,7 +295,7 @@ class VllmEngineClient(EngineClient):
 
     async def health(self) -> bool:
         try:
-            await self._call("GET", "/health", timeout_s=self.http.health_timeout_s)
+            await self._call("GET", "/health", timeout_s=self.bounds.health_timeout_s)
         except EngineError:
             return False
         return True
