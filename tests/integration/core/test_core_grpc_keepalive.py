@@ -16,7 +16,7 @@ from relayrl.core.grpc_server import GrpcService
 from relayrl_testkit.helpers.silent_peer import BlackHoleProxy
 
 SERVICE = "relayrl.coretest.v1.Keepalive"
-KEEPALIVE = GrpcKeepaliveConfig(time_s=1.0, timeout_s=0.5)
+KEEPALIVE = GrpcKeepaliveConfig(time_s=1.0, timeout_s=1.0)
 SLACK_S = 1.0
 
 
