@@ -135,7 +135,13 @@ def _queue_lines(stack: dict[str, Any]) -> list[str]:
 
     try:
         tq = TransferQueue.from_config(
-            TQConfig(url=stack["redis_url"], namespace=stack["namespace"], partitions=[])
+            TQConfig(
+                url=stack["redis_url"],
+                namespace=stack["namespace"],
+                partitions=[],
+                socket_timeout_s=HEALTH_TIMEOUT_S,
+                connect_timeout_s=HEALTH_TIMEOUT_S,
+            )
         )
         counts = tq.counts(stack["partition"])
         tq.close()
