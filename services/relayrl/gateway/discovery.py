@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_LABEL = "kubernetes.io/service-name"
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+WATCH_GRACE_S = 10.0  # how long a read may outlast the watch's server-side timeout
 
 
 def endpoint_urls(slices: Iterable[Any], port_name: str | None, scheme: str) -> dict[str, str]:
@@ -97,10 +98,11 @@ class EndpointSliceDiscovery:
         ]
         return client.DiscoveryV1Api(client.ApiClient(configuration))
 
-    def _timeout(self) -> tuple[float, None]:
-        """(connect, read) of a list or watch: the read is left to TCP keepalive, since a
-        watch is quiet for as long as nothing changes."""
-        return (self._config.http.connect_timeout_s, None)
+    def _timeout(self) -> tuple[float, float]:
+        """(connect, read) of a list or watch. A watch is quiet for as long as nothing changes,
+        so the read outlasts the watch's own server-side timeout; a silent API server is
+        noticed sooner by TCP keepalive."""
+        return (self._config.http.connect_timeout_s, self._config.watch_timeout_s + WATCH_GRACE_S)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="endpointslice-discovery")

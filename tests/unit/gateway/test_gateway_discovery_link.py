@@ -23,4 +23,5 @@ def test_the_api_client_keeps_tcp_keepalive_and_bounds_the_connect() -> None:
     assert (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1) in options  # urllib3's own, kept
     assert (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 4) in options
     assert (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 10_000) in options
-    assert discovery._timeout() == (2.0, None)
+    connect_s, read_s = discovery._timeout()
+    assert connect_s == 2.0 and read_s > config.watch_timeout_s
