@@ -162,10 +162,10 @@ class Supervisor:
         return self.ports.redis_url
 
     def target(self, service: str) -> str:
-        return f"127.0.0.1:{self.ports.grpc[service]}"
+        return self.ports.target(service)
 
     def metrics_url(self, service: str) -> str:
-        return f"http://127.0.0.1:{self.ports.metrics[service]}/metrics"
+        return self.ports.metrics_url(service)
 
     @property
     def engine_url(self) -> str:
@@ -197,6 +197,7 @@ class Supervisor:
         e = self.config.engine
         return EngineConfig(
             model=self.model_dir,
+            host=self.ports.address("engine-0"),
             port=self.ports.engine,
             max_model_len=e.max_model_len,
             max_num_seqs=e.max_num_seqs,
@@ -215,7 +216,12 @@ class Supervisor:
         logs = d / "logs"
         if self.config.security.authenticate:
             ensure_run_secrets(d)
-        redis = RedisServer(d / "redis", port=self.ports.redis, password=redis_password(d))
+        redis = RedisServer(
+            d / "redis",
+            port=self.ports.redis,
+            host=self.ports.address("redis"),
+            password=redis_password(d),
+        )
         self._add("redis", redis, replace(REDIS, shown={"url": redis.url}))
         configs = self.service_configs()
         for name in SERVICES:

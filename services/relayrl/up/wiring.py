@@ -77,7 +77,11 @@ def up_own_settings(
     gateway: dict[str, Any] = {
         "engines": {"health_interval_s": 1.0},
         "rollout": {"lease_s": 20.0, "claimer": "gateway-0"},
-        "agent_http": {"enabled": True, "port": ports.agent_http},
+        "agent_http": {
+            "enabled": True,
+            "host": ports.address("gateway"),
+            "port": ports.agent_http,
+        },
         "weightsync": {"default_timeout_s": 30},
     }
     agent = config.agent
