@@ -137,6 +137,8 @@ class Run:
             self._update_state(state="failed", error=str(exc))
             return EXIT_FAILED
         finally:
+            if self.supervisor is not None:  # whatever happened: no child, no host left
+                self.supervisor.stop(say=lambda line: None)
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, signal.SIG_DFL)
 
@@ -178,8 +180,10 @@ class Run:
         self._update_state(model_dir=str(model), warm_start_dir=str(warm))
 
         self.say(c.placement.describe())
-        self.say("starting the stack:")
         self.supervisor = Supervisor(c, self.run_dir, warm, files, on_event=self._on_event)
+        if self.supervisor.network is not None:
+            self.say(self.supervisor.network.describe())
+        self.say("starting the stack:")
         self.supervisor.build()
         self.supervisor.start(ORDER[:-1], say=self.say)
         if workload.heldout:
