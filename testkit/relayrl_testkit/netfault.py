@@ -1,8 +1,7 @@
 """Network faults between hosts of our own (relayrl.up.hosts), for a bounded time, in both
 directions or one (docs/recovery.md#hosts-of-our-own).
 
-    hosts = Hosts.of_run(run_dir)               # stack.json's hosts, plus `up` (the root)
-    faults = Faults(hosts, log_path=run_dir / "faults.jsonl")
+    faults = Faults(network_of_run(run_dir), log_path=run_dir / "faults.jsonl")
     with faults.during("partition", "gateway", "redis", for_s=60):
         ...                                     # healed when the block ends, or after 60 s
     faults.hold("refuse", "trainer", "weightsync", for_s=5)   # blocks, then heals
@@ -58,43 +57,29 @@ HOSTS_MISSING = missing_for_hosts()
 
 
 @dataclass(frozen=True)
-class HostRef:
+class End:
+    """One end of a link: a part's host, or the root namespace (`up`, no namespace)."""
+
     name: str
     address: str
     netns: str | None
-    """None: the root namespace."""
 
 
-@dataclass(frozen=True)
-class Hosts:
-    """The hosts a fault may sit between, by name."""
+def end_of(network: HostNetwork, name: str) -> End:
+    if name == ROOT:
+        return End(ROOT, network.bridge_address, None)
+    host = network.host(name)
+    if host is None:
+        raise KeyError(f"no host {name!r}; hosts: {', '.join([ROOT, *network.hosts])}")
+    return End(name, host.address, host.netns)
 
-    by_name: Mapping[str, HostRef]
 
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> Hosts:
-        """From a run's stack.json `hosts` (relayrl.up.hosts.HostNetwork.state)."""
-        hosts = {ROOT: HostRef(ROOT, state["bridge_address"], None)}
-        for part, host in state["parts"].items():
-            hosts[part] = HostRef(part, host["address"], host["netns"])
-        return cls(hosts)
-
-    @classmethod
-    def of_run(cls, run_dir: Path) -> Hosts:
-        state = json.loads((run_dir / "stack.json").read_text())
-        if "hosts" not in state:
-            raise ValueError(f"{run_dir} was not run with hosts.isolate")
-        return cls.from_state(state["hosts"])
-
-    @classmethod
-    def of_network(cls, network: HostNetwork) -> Hosts:
-        return cls.from_state(network.state())
-
-    def __getitem__(self, name: str) -> HostRef:
-        try:
-            return self.by_name[name]
-        except KeyError:
-            raise KeyError(f"no host {name!r}; hosts: {', '.join(self.by_name)}") from None
+def network_of_run(run_dir: Path) -> HostNetwork:
+    """The hosts of a run of `relayrl up` with `hosts.isolate`, as its stack.json has them."""
+    state = json.loads((run_dir / "stack.json").read_text())
+    if "hosts" not in state:
+        raise ValueError(f"{run_dir} was not run with hosts.isolate")
+    return HostNetwork.from_state(state["hosts"])
 
 
 @dataclass
@@ -137,11 +122,11 @@ _marks = itertools.count(1)
 
 
 class Faults:
-    """Injects faults between the hosts of `hosts`; every fault is healed by its deadline
-    (`for_s`), by its context's end, or by `heal_all()`."""
+    """Injects faults between the hosts of `network` (and `up`, the root namespace); every
+    fault is healed by its deadline (`for_s`), by its context's end, or by `heal_all()`."""
 
-    def __init__(self, hosts: Hosts, log_path: Path | None = None) -> None:
-        self.hosts = hosts
+    def __init__(self, network: HostNetwork, log_path: Path | None = None) -> None:
+        self.network = network
         self.log_path = log_path
         self.faults: list[Fault] = []
 
@@ -167,7 +152,7 @@ class Faults:
             raise ValueError("restart goes with half_open_restart, and it needs one")
         if not 0 < for_s <= 86_400:
             raise ValueError(f"for_s {for_s}: a fault lasts a bounded time, up to a day")
-        host_a, host_b = self.hosts[a], self.hosts[b]
+        host_a, host_b = end_of(self.network, a), end_of(self.network, b)
         if a == b or (host_a.netns is None and host_b.netns is None):
             raise ValueError(f"a fault needs two hosts, one of them not {ROOT}: {a}, {b}")
         mark = (os.getpid() % 0x10000) << 16 | next(_marks) % 0x10000
@@ -225,7 +210,7 @@ class Faults:
                 log.write(json.dumps(record) + "\n")
 
 
-def placement(flows: list[tuple[HostRef, HostRef]]) -> dict[str, tuple[str, dict[str, bool]]]:
+def placement(flows: list[tuple[End, End]]) -> dict[str, tuple[str, dict[str, bool]]]:
     """Where the rules for packets `sender -> receiver` of each of `flows` go: the receiver's
     input chain, so that the sender sees nothing a real network would not show it (a drop in
     its own output chain fails its send at once); the sender's output chain only when the

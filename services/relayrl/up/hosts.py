@@ -32,7 +32,7 @@ import os
 import shutil
 import subprocess
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,18 @@ class HostNetwork:
             f"hosts: {where} (network namespaces {self.tag}-<part>, bridge {self.bridge} "
             f"at {self.bridge_address})"
         )
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> HostNetwork:
+        """The network another process made, from its `state()` (it is not this one's to
+        remove: `remove()` does nothing)."""
+        hosts = {
+            part: Host(part, host["netns"], host["address"], host["veth"])
+            for part, host in state["parts"].items()
+        }
+        network = cls(state["tag"], ipaddress.IPv4Network(state["subnet"]), hosts)
+        assert network.bridge == state["bridge"], state
+        return network
 
     def state(self) -> dict[str, Any]:
         """As stack.json records it (what a test kit needs to reach each host)."""

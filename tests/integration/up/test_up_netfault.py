@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from relayrl.up.hosts import HostNetwork, remove_tagged, tag_of, tagged
-from relayrl_testkit.netfault import HOSTS_MISSING, Faults, Hosts
+from relayrl_testkit.netfault import HOSTS_MISSING, Faults
 
 pytestmark = pytest.mark.skipif(
     HOSTS_MISSING is not None,
@@ -101,7 +101,7 @@ def received(conn: socket.socket, n: int, timeout_s: float) -> bytes:
 def pair() -> Iterator[Pair]:
     network = HostNetwork.plan(["client", "server"])  # named after this process
     assert network.tag == tag_of(os.getpid())
-    pair = Pair(network, Faults(Hosts.of_network(network)))
+    pair = Pair(network, Faults(network))
     try:
         network.create()
         pair.start_server()

@@ -143,6 +143,7 @@ def test_names_fit_linux_and_follow_the_pid_and_the_subnet_avoids_routes() -> No
     assert all(name.startswith(f"rl{pid}-") for name in interfaces)
     assert all(h.netns == f"rl{pid}-{part}" for part, h in network.hosts.items())
     assert not any(network.subnet.overlaps(route) for route in taken)
+    assert HostNetwork.from_state(network.state()) == network  # as a test kit reads it back
     # one tag, one subnet; the next free one where it is taken
     assert HostNetwork.plan(PARTS, tag=tag_of(pid), taken=taken).subnet == network.subnet
     moved = free_subnet(7, [free_subnet(7, [])])
