@@ -107,9 +107,8 @@ class HostNetwork:
         tag = tag_of(os.getpid()) if tag is None else tag
         subnet = free_subnet(zlib.crc32(tag.encode()), list(routes() if taken is None else taken))
         addresses = subnet.hosts()
-        bridge = next(addresses)
-        assert bridge == bridge_address(subnet)
-        hosts = {}
+        assert next(addresses) == bridge_address(subnet)  # the bridge's
+        hosts: dict[str, Host] = {}
         for n, part in enumerate(parts):
             veth = f"{tag}-v{n}"
             if len(veth) > IFNAMSIZ:
@@ -136,12 +135,14 @@ class HostNetwork:
 
     def create(self) -> None:
         """The bridge, then each part's namespace and veth pair; on a failure, whatever was
-        made is removed and HostsError says which command failed."""
+        made is removed and HostsError says which command failed. What a dead process with
+        the same PID left under the same names goes first."""
         if self.created:
             return
         self.created = True
         prefix = self.subnet.prefixlen
         try:
+            remove_tagged(self.tag)
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.bridge_address}/{prefix}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")

@@ -33,6 +33,7 @@ from relayrl.core.records import EvalRecord, StepRecord, append_record, read_rec
 from relayrl.trainer.progress import EXIT_NO_PROGRESS as TRAINER_NO_PROGRESS
 from relayrl.up.config import UpConfig
 from relayrl.up.evaluate import Evaluator
+from relayrl.up.hosts import HostsError
 from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
 from relayrl.up.progress import Progress
 from relayrl.up.secrets import operator_identity
@@ -130,7 +131,7 @@ class Run:
             self.say(f"relayrl up: {exc}: stopping")
             self._shutdown("stopped")
             return EXIT_INTERRUPTED
-        except ChildStartError as exc:  # one line: the child's log has the rest
+        except (ChildStartError, HostsError) as exc:  # one line: a log has the rest
             self.say(f"relayrl up: {exc}")
             if self.supervisor is not None:
                 self.supervisor.stop(say=lambda line: None)
