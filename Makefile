@@ -39,6 +39,9 @@ $(SETUP_STAMP): pyproject.toml testkit/pyproject.toml testkit/model-wheels.txt d
 	@dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1 || { \
 	  echo "setup: installing Debian libibverbs1 librdmacm1 (Mooncake's transfer engine)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1 >/dev/null; }
+	@dpkg -s iproute2 nftables >/dev/null 2>&1 || { \
+	  echo "setup: installing Debian iproute2 nftables (hosts of our own and their faults: docs/recovery.md)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 nftables >/dev/null; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==26.3 $(QUIET_PIP)
 	$(PIP) install -q "$(call TORCH_PIN,lock)" $(QUIET_PIP)

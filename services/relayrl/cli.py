@@ -103,6 +103,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     # changes into its data dir before it opens its log), where a relative path names
     # something else.
     config = _absolute_paths(config)
+    if config.hosts.isolate:
+        from relayrl.up.hosts import missing_for_hosts
+
+        if (missing := missing_for_hosts()) is not None:
+            raise ValueError(f"hosts.isolate {missing}")
     workload = _checked_workload(config)  # every usage error before anything starts
     from relayrl.up.run import Run, new_run_dir
 

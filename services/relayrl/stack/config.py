@@ -57,10 +57,6 @@ class Endpoint(StrictModel):
         description="How peers dial it: host:port, or dns:///name:port in a cluster.",
     )
 
-    @classmethod
-    def loopback(cls, grpc_port: int, metrics_port: int) -> Endpoint:
-        return cls(grpc_port=grpc_port, metrics_port=metrics_port, target=f"127.0.0.1:{grpc_port}")
-
     @property
     def address(self) -> str:
         """host:port without a resolver scheme (what engines are told to dial)."""

@@ -426,6 +426,21 @@ class PlacementSection(StrictModel):
         return f"placement: {where}{chosen}"
 
 
+class HostsSection(StrictModel):
+    """Hosts of our own, for the test kit and for research on failures between hosts: each
+    part of the run (redis-server, the four services, the engine, the agent programs) in a
+    network namespace of its own, joined to the others by a bridge, so that faults can be put
+    on the links between them (docs/recovery.md#hosts-of-our-own). Needs root, iproute2 and
+    nftables; off, every part is on loopback."""
+
+    isolate: bool = Field(
+        False,
+        description="Give each part a network namespace and an address of its own on a "
+        "private /24 (made when the run starts, removed when it stops); relayrl up refuses "
+        "to start without root, `ip`, `nft` or `nsenter`. A test-kit and research option.",
+    )
+
+
 class SecuritySection(StrictModel):
     """Who may call the run's services (docs/security.md)."""
 
@@ -505,6 +520,10 @@ class UpConfig(StrictModel):
     )
     placement: PlacementSection = Field(
         default_factory=PlacementSection, description="CPU sets of the engine, trainer, services."
+    )
+    hosts: HostsSection = Field(
+        default_factory=HostsSection,
+        description="A network namespace per part (test kit, research); off by default.",
     )
     security: SecuritySection = Field(
         default_factory=SecuritySection, description="Authentication between the services."

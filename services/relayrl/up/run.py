@@ -33,6 +33,7 @@ from relayrl.core.records import EvalRecord, StepRecord, append_record, read_rec
 from relayrl.trainer.progress import EXIT_NO_PROGRESS as TRAINER_NO_PROGRESS
 from relayrl.up.config import UpConfig
 from relayrl.up.evaluate import Evaluator
+from relayrl.up.hosts import HostsError
 from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
 from relayrl.up.progress import Progress
 from relayrl.up.secrets import operator_identity
@@ -130,13 +131,15 @@ class Run:
             self.say(f"relayrl up: {exc}: stopping")
             self._shutdown("stopped")
             return EXIT_INTERRUPTED
-        except ChildStartError as exc:  # one line: the child's log has the rest
+        except (ChildStartError, HostsError) as exc:  # one line: a log has the rest
             self.say(f"relayrl up: {exc}")
             if self.supervisor is not None:
                 self.supervisor.stop(say=lambda line: None)
             self._update_state(state="failed", error=str(exc))
             return EXIT_FAILED
         finally:
+            if self.supervisor is not None:  # whatever happened: no child, no host left
+                self.supervisor.stop(say=lambda line: None)
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, signal.SIG_DFL)
 
@@ -178,8 +181,10 @@ class Run:
         self._update_state(model_dir=str(model), warm_start_dir=str(warm))
 
         self.say(c.placement.describe())
-        self.say("starting the stack:")
         self.supervisor = Supervisor(c, self.run_dir, warm, files, on_event=self._on_event)
+        if self.supervisor.network is not None:
+            self.say(self.supervisor.network.describe())
+        self.say("starting the stack:")
         self.supervisor.build()
         self.supervisor.start(ORDER[:-1], say=self.say)
         if workload.heldout:

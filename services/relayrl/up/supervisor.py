@@ -18,6 +18,10 @@ Supervision: a child that exits when nobody asked it to is started again after a
   the replicas with it again within seconds;
 - redis-server: replays its AOF.
 The trainer's exit 0 means the run is complete; it is not restarted.
+
+With `hosts.isolate` each child runs on a host of its own (relayrl.up.hosts): the network is
+made when the children are built and removed when they are stopped, and a child is spawned,
+and restarted, from inside its namespace, as it is from inside its CPU set.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ from relayrl.core.supervised import Supervised
 from relayrl.engine.config import EngineConfig
 from relayrl.engine.process import EngineProcess
 from relayrl.stack import SERVICES, StackConfig
-from relayrl.stack.local import LocalPorts
+from relayrl.stack.local import AGENTS, PARTS, LocalPorts
 from relayrl.tq.server import RedisServer
 from relayrl.trainer.progress import EXIT_NO_PROGRESS
 from relayrl.up.config import UpConfig
+from relayrl.up.hosts import HostNetwork
 from relayrl.up.prepare import RunFiles
 from relayrl.up.secrets import (
     REDIS_PASSWORD_ENV,
@@ -147,6 +152,9 @@ class Supervisor:
     model_dir: Path
     files: RunFiles
     ports: LocalPorts = field(default_factory=LocalPorts.choose)
+    network: HostNetwork | None = None
+    """The children's hosts (`hosts.isolate`); planned here when the config asks for them and
+    none is given, made by `build()`, removed by `stop()`."""
     children: dict[str, Supervised] = field(default_factory=dict)
     specs: dict[str, ChildSpec] = field(default_factory=dict)
     restarts: Counter[str] = field(default_factory=Counter)
@@ -157,15 +165,21 @@ class Supervisor:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _thread: threading.Thread | None = None
 
+    def __post_init__(self) -> None:
+        if self.network is None and self.config.hosts.isolate:
+            self.network = HostNetwork.plan(PARTS)
+        if self.network is not None:
+            self.ports = self.ports.at(self.network.addresses())
+
     @property
     def redis_url(self) -> str:
         return self.ports.redis_url
 
     def target(self, service: str) -> str:
-        return f"127.0.0.1:{self.ports.grpc[service]}"
+        return self.ports.target(service)
 
     def metrics_url(self, service: str) -> str:
-        return f"http://127.0.0.1:{self.ports.metrics[service]}/metrics"
+        return self.ports.metrics_url(service)
 
     @property
     def engine_url(self) -> str:
@@ -175,7 +189,10 @@ class Supervisor:
 
     def stack_config(self) -> StackConfig:
         """The four services' configs (relayrl.up.wiring); StackError names a bad field."""
-        return up_stack(self.config, self.run_dir, self.model_dir, self.files.prompts, self.ports)
+        launcher = self.network.exec_prefix(AGENTS) if self.network is not None else []
+        return up_stack(
+            self.config, self.run_dir, self.model_dir, self.files.prompts, self.ports, launcher
+        )
 
     def service_configs(self) -> dict[str, dict[str, Any]]:
         """What each service process is given as its config file."""
@@ -197,6 +214,7 @@ class Supervisor:
         e = self.config.engine
         return EngineConfig(
             model=self.model_dir,
+            host=self.ports.address("engine-0"),
             port=self.ports.engine,
             max_model_len=e.max_model_len,
             max_num_seqs=e.max_num_seqs,
@@ -215,7 +233,14 @@ class Supervisor:
         logs = d / "logs"
         if self.config.security.authenticate:
             ensure_run_secrets(d)
-        redis = RedisServer(d / "redis", port=self.ports.redis, password=redis_password(d))
+        if self.network is not None:
+            self.network.create()
+        redis = RedisServer(
+            d / "redis",
+            port=self.ports.redis,
+            host=self.ports.address("redis"),
+            password=redis_password(d),
+        )
         self._add("redis", redis, replace(REDIS, shown={"url": redis.url}))
         configs = self.service_configs()
         for name in SERVICES:
@@ -243,10 +268,12 @@ class Supervisor:
 
     def describe(self, name: str) -> dict[str, Any]:
         """`name` as stack.json shows it."""
+        host = self.network.host(name) if self.network is not None else None
         return {
             "pid": self.children[name].pid,
             "restarts": self.restarts[name],
             **self.specs[name].shown,
+            **({"netns": host.netns} if host is not None else {}),
         }
 
     def start(self, names: tuple[str, ...] = ORDER, say: Callable[[str], None] = print) -> None:
@@ -261,14 +288,14 @@ class Supervisor:
         for name in names:
             child, spec = self.children[name], self.specs[name]
             if isinstance(child, EngineProcess):
-                with self._starting(name), self._pinned(name):
+                with self._starting(name), self._placed(name):
                     child.spawn()
                 booting[name] = time.monotonic()
                 continue
             if spec.routes_to_engines:
                 self._wait_for_engines(booting, timeout_s, say)
             started = time.monotonic()
-            with self._starting(name), self._pinned(name):
+            with self._starting(name), self._placed(name):
                 child.start(timeout_s=spec.start_timeout(timeout_s))
             self._started(name, started, say)
             if spec.routes_to_engines:  # the engines serve once weight-sync vouches for them
@@ -286,6 +313,22 @@ class Supervisor:
             with self._starting(name):
                 child.wait_ready(timeout_s=max(1.0, timeout_s - (time.monotonic() - spawned)))
             self._started(name, spawned, say)
+
+    @contextlib.contextmanager
+    def _placed(self, name: str) -> Iterator[None]:
+        """While `name` is spawned, this thread is where the child is to run: on its CPU set,
+        and on its host (a network namespace is also a thread's, inherited by what it
+        spawns); the thread is put back after."""
+        with self._pinned(name), self._on_host(name):
+            yield
+
+    @contextlib.contextmanager
+    def _on_host(self, name: str) -> Iterator[None]:
+        if self.network is None:
+            yield
+            return
+        with self.network.entered(name):
+            yield
 
     @contextlib.contextmanager
     def _pinned(self, name: str) -> Iterator[None]:
@@ -359,6 +402,8 @@ class Supervisor:
             "children": {name: self.describe(name) for name in self.children},
             "written": time.time(),
         }
+        if self.network is not None:
+            state["hosts"] = self.network.state()
         atomic_write_text(self.run_dir / "stack.json", json.dumps(state, indent=2))
 
     def _record(self, event: Event) -> None:
@@ -400,7 +445,7 @@ class Supervisor:
                     return
                 self.restarts[name] += 1
                 try:
-                    with self._pinned(name):
+                    with self._placed(name):
                         child.start(
                             timeout_s=spec.start_timeout(self.config.supervision.start_timeout_s)
                         )
@@ -416,7 +461,7 @@ class Supervisor:
 
     def stop(self, say: Callable[[str], None] = print) -> None:
         """Stops every child, the trainer first (it checkpoints) and Redis last (its AOF
-        is flushed on SIGTERM); idempotent."""
+        is flushed on SIGTERM), then removes the children's hosts; idempotent."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
@@ -430,6 +475,8 @@ class Supervisor:
                 if was_alive:
                     self._record(Event(time.time(), name, "stopped"))
         self.write_state()
+        if self.network is not None:
+            self.network.remove()
 
     def snapshot_metrics(
         self, out_dir: Path, names: tuple[str, ...] | None = None

@@ -4,6 +4,7 @@ machine), then the user's `services:` overrides -- all checked before any proces
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,14 @@ def progress_log(run_dir: Path) -> Path:
 
 
 def up_own_settings(
-    config: UpConfig, run_dir: Path, prompts_file: Path, ports: LocalPorts
+    config: UpConfig,
+    run_dir: Path,
+    prompts_file: Path,
+    ports: LocalPorts,
+    agent_launcher: Sequence[str] = (),
 ) -> dict[str, dict[str, Any]]:
-    """What each service of a local run sets for itself (nothing another service reads)."""
+    """What each service of a local run sets for itself (nothing another service reads).
+    `agent_launcher`: argv the agent's command runs under (into the agents' own host)."""
     train, training = config.train, config.training
     reward = up_reward_settings(config)
     if config.security.authenticate:  # the operator (relayrl up) is the reward API's tenant
@@ -77,17 +83,19 @@ def up_own_settings(
     gateway: dict[str, Any] = {
         "engines": {"health_interval_s": 1.0},
         "rollout": {"lease_s": 20.0, "claimer": "gateway-0"},
-        "agent_http": {"enabled": True, "port": ports.agent_http},
+        "agent_http": {
+            "enabled": True,
+            "host": ports.address("gateway"),
+            "port": ports.agent_http,
+        },
         "weightsync": {"default_timeout_s": 30},
     }
     agent = config.agent
     if agent.command is not None:
-        gateway["agents"] = {
-            "external": {
-                # the section's fields are ExternalAgentConfig's
-                EXTERNAL_AGENT: agent.model_dump(mode="json")
-            }
-        }
+        # the section's fields are ExternalAgentConfig's
+        external = agent.model_dump(mode="json")
+        external["command"] = [*agent_launcher, *agent.command]
+        gateway["agents"] = {"external": {EXTERNAL_AGENT: external}}
     return {
         "reward": reward,
         "gateway": gateway,
@@ -171,13 +179,18 @@ def up_reward_settings(config: UpConfig) -> dict[str, Any]:
 
 
 def up_stack(
-    config: UpConfig, run_dir: Path, model_dir: Path, prompts_file: Path, ports: LocalPorts
+    config: UpConfig,
+    run_dir: Path,
+    model_dir: Path,
+    prompts_file: Path,
+    ports: LocalPorts,
+    agent_launcher: Sequence[str] = (),
 ) -> StackConfig:
     """The run's four service configs; StackError names a bad field (`services.<svc>...`).
     Reads no file: the run's secrets are made when the services are (relayrl.up.secrets)."""
     return StackConfig.compose(
         up_wiring(config, model_dir, ports, run_identities(run_dir)),
-        own=up_own_settings(config, run_dir, prompts_file, ports),
+        own=up_own_settings(config, run_dir, prompts_file, ports, agent_launcher),
         overrides=config.services.model_dump(),
         hints=HINTS,
     )

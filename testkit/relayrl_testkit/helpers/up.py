@@ -257,6 +257,15 @@ def wait_for_steps(up: UpProcess, n: int, timeout_s: float) -> None:
 def pause_trainer(run_dir: Path) -> None:
     """Holds a running run's trainer before its next step (its Control RPC, as the operator),
     so that what a test checks on the live stack is not raced by the trainer finishing."""
+    _control_trainer(run_dir, "CONTROL_ACTION_PAUSE")
+
+
+def resume_trainer(run_dir: Path) -> None:
+    """Lets a trainer held by `pause_trainer` go on."""
+    _control_trainer(run_dir, "CONTROL_ACTION_RESUME")
+
+
+def _control_trainer(run_dir: Path, action: str) -> None:
     from relayrl.core.grpc_client import sync_channel
     from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
     from relayrl.up.secrets import operator_identity
@@ -264,7 +273,8 @@ def pause_trainer(run_dir: Path) -> None:
     target = stack_state(run_dir)["children"]["trainer"]["target"]
     with sync_channel(target, operator_identity(run_dir), []) as channel:
         trainer_pb2_grpc.TrainerStub(channel).Control(
-            trainer_pb2.ControlRequest(action=trainer_pb2.CONTROL_ACTION_PAUSE), timeout=30
+            trainer_pb2.ControlRequest(action=trainer_pb2.ControlAction.Value(action)),
+            timeout=30,
         )
 
 

@@ -1,0 +1,126 @@
+"""`relayrl up` with hosts of our own (`hosts.isolate`): every child runs in a network
+namespace of its own, reached only at its own address through the bridge, and a short run
+trains over those links to its end and leaves no namespace, interface or process behind.
+
+One run serves the module (`hosts_run`): it is held before its second step while the tests
+look at the live stack, and its last test lets it finish. Faults on its links
+(relayrl_testkit.netfault) go between those two."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from relayrl.up.hosts import HostNetwork, remove_tagged, tag_of, tagged
+from relayrl_testkit.helpers.up import (
+    SHORT_RUN,
+    UpProcess,
+    deep_update,
+    pause_trainer,
+    processes_of,
+    resume_trainer,
+    sharing_cache,
+    stack_pid,
+    stack_state,
+    steps_logged,
+)
+from relayrl_testkit.netfault import HOSTS_MISSING, network_of_run
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        HOSTS_MISSING is not None, reason=f"relayrl up's hosts.isolate {HOSTS_MISSING}"
+    ),
+]
+
+STEPS = 2
+CHILDREN = ("redis", "reward", "engine-0", "weightsync", "gateway", "trainer")
+
+
+@dataclass
+class HostsRun:
+    up: UpProcess
+    run_dir: Path
+    network: HostNetwork
+
+    @property
+    def tag(self) -> str:
+        """What the run's namespaces and interfaces are named after: its PID."""
+        return tag_of(self.up.process.pid)
+
+
+def wait_for_trainer(up: UpProcess, timeout_s: float) -> Path:
+    """The run folder, once the whole stack is up (the trainer is started last)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if up.process.poll() is not None:
+            raise AssertionError(f"relayrl up exited {up.process.returncode}:\n{up.output()}")
+        with contextlib.suppress(AssertionError, FileNotFoundError, ValueError):
+            if stack_pid(up.run_dir, "trainer") is not None:
+                return up.run_dir
+        time.sleep(0.5)
+    raise AssertionError(f"the stack did not come up in {timeout_s} s:\n{up.output()}")
+
+
+@pytest.fixture(scope="module")
+def hosts_run(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Iterator[HostsRun]:
+    runs_dir = sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
+    config = deep_update(SHORT_RUN, {"train": {"steps": STEPS}, "hosts": {"isolate": True}})
+    up = UpProcess.start(runs_dir, config)
+    try:
+        run_dir = wait_for_trainer(up, 600)
+        pause_trainer(run_dir)  # held before its next step while the tests look
+        yield HostsRun(up, run_dir, network_of_run(run_dir))
+    finally:  # whatever happened: the run stopped, nothing named after it left
+        up.stop()
+        remove_tagged(tag_of(up.process.pid))
+
+
+def netns_inode(path: str | Path) -> int:
+    return os.stat(path).st_ino
+
+
+@pytest.mark.timeout(900)
+def test_each_child_runs_in_its_own_namespace_at_its_own_address(hosts_run: HostsRun) -> None:
+    state = stack_state(hosts_run.run_dir)
+    parts, children = state["hosts"]["parts"], state["children"]
+    assert set(children) == set(CHILDREN)
+    own = netns_inode("/proc/self/ns/net")
+    seen = {}
+    for name, child in children.items():
+        netns = parts[name]["netns"]
+        assert child["netns"] == netns and netns.startswith(f"{hosts_run.tag}-")
+        seen[name] = netns_inode(f"/proc/{child['pid']}/ns/net")
+        assert seen[name] == netns_inode(Path("/run/netns") / netns), name
+    assert own not in seen.values() and len(set(seen.values())) == len(CHILDREN), seen
+    # every part is dialled at its own address, and at none on this host's loopback
+    address = {name: parts[name]["address"] for name in parts}
+    assert state["redis_url"].startswith(f"redis://{address['redis']}:")
+    assert state["engines"] == [children["engine-0"]["url"]]
+    assert children["engine-0"]["url"].startswith(f"http://{address['engine-0']}:")
+    for name in ("reward", "gateway", "weightsync", "trainer"):
+        host, port = children[name]["target"].rsplit(":", 1)
+        assert host == address[name], (name, children[name])
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
+    assert len(set(address.values())) == len(address)
+    assert "hosts: redis " + address["redis"] in hosts_run.up.output()
+    assert hosts_run.network.addresses() == address
+
+
+@pytest.mark.timeout(900)
+def test_the_run_trains_over_its_links_and_leaves_no_host_behind(hosts_run: HostsRun) -> None:
+    resume_trainer(hosts_run.run_dir)
+    up = hosts_run.up
+    assert up.wait(600) == 0, up.output()
+    assert sorted(r.step for r in steps_logged(hosts_run.run_dir)) == list(range(STEPS))
+    assert "held-out accuracy (final" in up.output()  # relayrl up reached the engine too
+    assert tagged(hosts_run.tag) == []
+    assert processes_of(hosts_run.run_dir) == []
