@@ -39,7 +39,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,7 +115,8 @@ class Fault:
         return None if self.healed is None else self.healed - self.started
 
     def record(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        """Its public fields (asdict would deep-copy the lock and the heal callback too)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 _marks = itertools.count(1)
