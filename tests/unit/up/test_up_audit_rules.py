@@ -22,8 +22,8 @@ from relayrl_testkit.helpers.trainer import judged_group as group
         ([1.0, 1.0, 1.0, 1.0], True, "no_signal"),
         ([1.0, 1.0, 1.0, 1.0], False, "keep"),
         # one valid member of four: nothing to compare, with the filter on or off
-        ([1.0, None, None, None], False, "no_signal"),
-        ([1.0, None, None, None], True, "no_signal"),
+        ([1.0, None, None, None], False, "one_valid"),
+        ([1.0, None, None, None], True, "one_valid"),
         ([None, None, None, None], False, "no_valid"),
         ([1.0], False, "keep"),
         ([1.0, None, 0.0, None], True, "keep"),
