@@ -141,9 +141,11 @@ class Leader:
             adopted = self._through_outage("resume", feeder.adopt_existing)
             if adopted:
                 logger.info("resume: %d groups were issued after the checkpoint", adopted)
-            # evicted after the checkpoint, by a trainer that died before it saved again
+            # evicted after the checkpoint by a trainer that died before it saved again: its
+            # prompt is re-issued, with the one new group the eviction earned (refill credit)
             for group in self._through_outage("resume", feeder.dropped_in_flight):
                 self._retry(group, "stale", "evicted as too stale before a restart", step)
+                self.refill_groups += 1
 
     def feed(self, step: int) -> None:
         """Issues the prompts step `step` needs (its batch, eta steps ahead, and the refills
@@ -196,7 +198,7 @@ class Leader:
         if self.feeder is None:
             return verdict
         if verdict not in RETRY_CAUSES and self.feeder.reissued(group.group):
-            verdict = "stale"
+            verdict = "stale"  # the sampler hands it to `_discard` too: heard once, no-op then
         if verdict in RETRY_CAUSES:
             reason = (
                 "re-issued before a restart" if verdict == "stale" else group_failure_text(group)

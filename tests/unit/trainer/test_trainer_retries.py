@@ -36,6 +36,9 @@ class PutRecorder:
     def get_groups(self, partition: str, uids: list[str], **_: object) -> list[SimpleNamespace]:
         return [SimpleNamespace(group=self.groups[uid]) for uid in uids]
 
+    def reset_consumption(self, partition: str, after_step: int) -> list[str]:
+        return []
+
 
 def leader(
     budget: int = 3,
@@ -56,6 +59,7 @@ def leader(
     config = SimpleNamespace(
         data=SimpleNamespace(partition="train", retry=curriculum.retry_settings),
         algorithm=SimpleNamespace(dapo_filter=True, staleness_threshold=threshold),
+        outage_timeout_s=1.0,
     )
     return Leader(
         config,  # type: ignore[arg-type]
@@ -166,3 +170,19 @@ def test_a_group_reissued_before_a_restart_is_not_trained_when_it_is_fresh_again
     assert restored._sample_metrics(1, Sample(kept=[])).retried == {"stale": 1}
     assert issue(restored, step=1).retry_of == ""  # and not re-issued a second time
     assert retry.uid in lead.tq.groups  # type: ignore[attr-defined]
+
+
+def test_a_resumed_leader_reissues_a_group_evicted_after_its_checkpoint() -> None:
+    """The gate drops a group before the feeder hears of it: a trainer that died in between
+    leaves it in flight in its checkpoint and dropped in the queue."""
+    lead = leader()
+    assert lead.feeder is not None
+    evicted = issue(lead, step=0)
+    saved = lead.feeder.state_dict()
+    evicted.tags.status = common_pb2.GROUP_STATUS_DROPPED  # then the crash
+    restored = leader(queue=lead.tq)  # type: ignore[arg-type]
+    restored.resume(1, saved, refill_groups=2)
+    assert restored.refill_groups == 3  # the eviction's refill credit, lost with the process
+    retry = issue(restored, step=1)
+    assert (retry.retry_of, retry.prompt_key) == (evicted.uid, evicted.prompt_key)
+    assert restored._sample_metrics(1, Sample(kept=[])).retried == {"stale": 1}
