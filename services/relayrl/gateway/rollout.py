@@ -101,6 +101,7 @@ class RolloutWorker:
         self._request_timeout_s = request_timeout_s
         self._default_agent = default_agent
         self._groups: dict[str, asyncio.Task[None]] = {}
+        self._claims: dict[str, ClaimedGroup] = {}  # of the groups in `_groups`
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watcher: _PendingWatcher | None = None
@@ -148,6 +149,7 @@ class RolloutWorker:
             for claim in claimed:
                 task = asyncio.create_task(self._run_group(claim))
                 self._groups[claim.group.uid] = task
+                self._claims[claim.group.uid] = claim
                 task.add_done_callback(lambda _, uid=claim.group.uid: self._group_done(uid))
             if not claimed:
                 with contextlib.suppress(TimeoutError):
@@ -165,6 +167,7 @@ class RolloutWorker:
 
     def _group_done(self, uid: str) -> None:
         self._groups.pop(uid, None)
+        self._claims.pop(uid, None)
         self._pool.metrics.groups_inflight.labels(partition=self.partition).set(len(self._groups))
         self._wake.set()
 
@@ -276,16 +279,53 @@ class RolloutWorker:
         return trajectory
 
     async def close(self) -> None:
-        """Stop claiming; cancel running groups (their claims expire and return to pending,
-        keeping the trajectories already written)."""
+        """Stop claiming; cancel the running groups and give their claims back (running ->
+        pending, keeping the trajectories already written), so that whoever claims next, a
+        resumed run included, takes them at once instead of waiting out their leases. A claim
+        that cannot be given back (Redis away) expires as a killed gateway's does."""
         if self._watcher is not None:
             self._watcher.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        claims = list(self._claims.values())
         for task in list(self._groups.values()):
             task.cancel()
         await asyncio.gather(*self._groups.values(), return_exceptions=True)
+        if claims:
+            released = await asyncio.to_thread(self._release, claims)
+            logger.info(
+                "stopping: gave back %d of %d groups in flight on %s",
+                released,
+                len(claims),
+                self.partition,
+            )
+
+    def _release(self, claims: list[ClaimedGroup]) -> int:
+        """Gives each claim back on its own: one that finished or was superseded meanwhile
+        (its last trajectory landed as the task was cancelled) must not keep back the rest."""
+        released = 0
+        for claim in claims:
+            try:
+                released += self._tq.release_groups(self.partition, [claim], "gateway stopped")
+            except StaleClaimError:
+                continue  # no longer ours to give back
+            except TQUnavailableError as exc:  # Redis away: every lease will expire
+                logger.warning(
+                    "could not give back %d groups on %s (%s); their leases will expire",
+                    len(claims) - released,
+                    self.partition,
+                    exc,
+                )
+                break
+            except TQError as exc:
+                logger.warning(
+                    "could not give back %s/%s (%s); its lease will expire",
+                    self.partition,
+                    claim.group.uid,
+                    exc,
+                )
+        return released
 
 
 class LeaseSweeper:
