@@ -128,6 +128,7 @@ class RolloutWorker:
         self._watcher.start()
 
     async def _claim_loop(self) -> None:
+        await self._release_predecessors()
         while True:
             self._wake.clear()
             free = self._max_inflight_groups - len(self._groups)
@@ -155,6 +156,32 @@ class RolloutWorker:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(IDLE_POLL_S):
                         await self._wake.wait()
+
+    async def _release_predecessors(self) -> None:
+        """Groups still claimed under this gateway's name were left by a process of it that
+        died (a restart, a SIGKILL): back to pending now, not when their leases expire."""
+        reason = "released by a restarted claimer"
+        try:
+            released = await asyncio.to_thread(
+                self._tq.release_claimer, self.partition, self._claimer, reason
+            )
+        except TQError as exc:
+            logger.warning(
+                "could not give back what an earlier %s left claimed on %s (%s); its leases "
+                "will expire",
+                self._claimer,
+                self.partition,
+                exc,
+            )
+            return
+        if released:
+            logger.info(
+                "gave back %d groups an earlier %s left claimed on %s: %s",
+                len(released),
+                self._claimer,
+                self.partition,
+                ", ".join(released[:5]) + (", ..." if len(released) > 5 else ""),
+            )
 
     def _record_claims(self, claimed: list[ClaimedGroup]) -> None:
         metrics, partition = self._pool.metrics, self.partition
