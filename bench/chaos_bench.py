@@ -1,6 +1,6 @@
 """Chaos on the main job: every part of a short `relayrl up` run is SIGKILLed (with its process
 group, as a crashed pod) while it trains, and each run is then audited (`relayrl audit`: no
-group lost or trained twice, no span sampled by weights that were not committed).
+group or prompt lost, none trained twice, no span sampled by weights that were not committed).
 
 Round 0 is the fixed schedule, one kill after another in one run, each at the moment that
 hurts most:
@@ -13,7 +13,7 @@ hurts most:
 Rounds 1.. draw `--kills-per-round` parts at random (seeded) and kill them after a random
 number of steps each. A kill's recovery time is from the kill to the next committed version.
 
-The last line is exactly (one line):
+The last line is exactly (one line; `lost` counts groups and prompts lost):
     chaos-bench: kills=<n> runs_completed=<n>/<n> lost=<n> trained_twice=<n>
                  stale_served=<n> max_recovery_s=<s>
 """
@@ -263,7 +263,7 @@ def one_run(name: str, parts: list[str], steps: int, runs_dir: Path, rng: random
         report = audit_run(run.run_dir)
         result.audit = report.to_json() | {"summary": report.summary()}
         say(f"  {name}: {report.summary()}")
-        for kind in ("lost", "trained_twice", "stale_served"):
+        for kind in ("lost", "prompts_lost", "trained_twice", "stale_served"):
             for line in result.audit[kind][:5]:
                 say(f"    {kind}: {line}")
     except Exception as exc:  # an audit that cannot run counts the run as failed
@@ -313,8 +313,9 @@ def main(argv: list[str]) -> int:
     records = [r.__dict__ | {"kills": [k.__dict__ for k in r.kills]} for r in results]
     (keep / "chaos.json").write_text(json.dumps(records, indent=1))
     completed = sum(r.completed and not r.error for r in results)
-    kinds = ("lost", "trained_twice", "stale_served")
+    kinds = ("lost", "prompts_lost", "trained_twice", "stale_served")
     total = {k: sum(len(r.audit.get(k, [])) for r in results) for k in kinds}
+    total["lost"] += total.pop("prompts_lost")
     max_recovery = max((k.recovery_s or 0.0 for k in kills), default=0.0)
     print(f"runs kept in {keep}")
     print(

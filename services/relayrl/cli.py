@@ -219,7 +219,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
-        for name in ("trained_twice", "lost", "stale_served"):
+        for name in ("trained_twice", "lost", "stale_served", "prompts_lost"):
             for line in getattr(report, name)[: args.max_lines]:
                 print(f"{name}: {line}")
         print(report.summary())

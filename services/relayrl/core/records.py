@@ -63,6 +63,17 @@ class SetAside(Record):
     reason: str
 
 
+class Skipped(Record):
+    """An issue of a prompt that ended untrained at a step: its retry budget ran out
+    (docs/algorithms.md#retries)."""
+
+    prompt: int  # its index in the training set
+    uid: str  # the issue's last group
+    retries: int  # re-issues spent
+    cause: Literal["no_valid", "one_valid", "stale"]
+    reason: str
+
+
 class StepRecord(Record):
     """One trainer step (`trainer/steps.jsonl`). A step re-run after a trainer restart is logged
     again; its last record is the one that counts.
@@ -89,6 +100,8 @@ class StepRecord(Record):
     staleness_histogram: dict[int, int] = {}  # trained groups by staleness
     policy_lag_histogram: dict[int, int] = {}  # trained groups by step - launching version
     set_aside: list[SetAside] = []
+    retried: dict[str, int] = {}  # groups whose prompt was re-issued, by cause
+    skipped: list[Skipped] = []  # issues of a prompt given up after their retry budget
     uids: list[str] = []  # the groups trained at this step
     row_tokens: list[int] = []  # prompt + response tokens of each trained row, in order
 

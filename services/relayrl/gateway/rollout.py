@@ -101,6 +101,7 @@ class RolloutWorker:
         self._request_timeout_s = request_timeout_s
         self._default_agent = default_agent
         self._groups: dict[str, asyncio.Task[None]] = {}
+        self._claims: dict[str, ClaimedGroup] = {}  # of the groups in `_groups`
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watcher: _PendingWatcher | None = None
@@ -127,6 +128,7 @@ class RolloutWorker:
         self._watcher.start()
 
     async def _claim_loop(self) -> None:
+        await self._release_predecessors()
         while True:
             self._wake.clear()
             free = self._max_inflight_groups - len(self._groups)
@@ -148,11 +150,38 @@ class RolloutWorker:
             for claim in claimed:
                 task = asyncio.create_task(self._run_group(claim))
                 self._groups[claim.group.uid] = task
+                self._claims[claim.group.uid] = claim
                 task.add_done_callback(lambda _, uid=claim.group.uid: self._group_done(uid))
             if not claimed:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(IDLE_POLL_S):
                         await self._wake.wait()
+
+    async def _release_predecessors(self) -> None:
+        """Groups still claimed under this gateway's name were left by a process of it that
+        died (a restart, a SIGKILL): back to pending now, not when their leases expire."""
+        reason = "released by a restarted claimer"
+        try:
+            released = await asyncio.to_thread(
+                self._tq.release_claimer, self.partition, self._claimer, reason
+            )
+        except TQError as exc:
+            logger.warning(
+                "could not give back what an earlier %s left claimed on %s (%s); its leases "
+                "will expire",
+                self._claimer,
+                self.partition,
+                exc,
+            )
+            return
+        if released:
+            logger.info(
+                "gave back %d groups an earlier %s left claimed on %s: %s",
+                len(released),
+                self._claimer,
+                self.partition,
+                ", ".join(released[:5]) + (", ..." if len(released) > 5 else ""),
+            )
 
     def _record_claims(self, claimed: list[ClaimedGroup]) -> None:
         metrics, partition = self._pool.metrics, self.partition
@@ -165,6 +194,7 @@ class RolloutWorker:
 
     def _group_done(self, uid: str) -> None:
         self._groups.pop(uid, None)
+        self._claims.pop(uid, None)
         self._pool.metrics.groups_inflight.labels(partition=self.partition).set(len(self._groups))
         self._wake.set()
 
@@ -276,16 +306,53 @@ class RolloutWorker:
         return trajectory
 
     async def close(self) -> None:
-        """Stop claiming; cancel running groups (their claims expire and return to pending,
-        keeping the trajectories already written)."""
+        """Stop claiming; cancel the running groups and give their claims back (running ->
+        pending, keeping the trajectories already written), so that whoever claims next, a
+        resumed run included, takes them at once instead of waiting out their leases. A claim
+        that cannot be given back (Redis away) expires as a killed gateway's does."""
         if self._watcher is not None:
             self._watcher.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        claims = list(self._claims.values())
         for task in list(self._groups.values()):
             task.cancel()
         await asyncio.gather(*self._groups.values(), return_exceptions=True)
+        if claims:
+            released = await asyncio.to_thread(self._release, claims)
+            logger.info(
+                "stopping: gave back %d of %d groups in flight on %s",
+                released,
+                len(claims),
+                self.partition,
+            )
+
+    def _release(self, claims: list[ClaimedGroup]) -> int:
+        """Gives each claim back on its own: one that finished or was superseded meanwhile
+        (its last trajectory landed as the task was cancelled) must not keep back the rest."""
+        released = 0
+        for claim in claims:
+            try:
+                released += self._tq.release_groups(self.partition, [claim], "gateway stopped")
+            except StaleClaimError:
+                continue  # no longer ours to give back
+            except TQUnavailableError as exc:  # Redis away: every lease will expire
+                logger.warning(
+                    "could not give back %d groups on %s (%s); their leases will expire",
+                    len(claims) - released,
+                    self.partition,
+                    exc,
+                )
+                break
+            except TQError as exc:
+                logger.warning(
+                    "could not give back %s/%s (%s); its lease will expire",
+                    self.partition,
+                    claim.group.uid,
+                    exc,
+                )
+        return released
 
 
 class LeaseSweeper:

@@ -47,7 +47,7 @@ G, T = GroupStatus, TrajectoryStatus
 GROUP_TRANSITIONS: dict[tuple[GroupStatus | None, GroupStatus], tuple[str, ...]] = {
     (None, G.PENDING): ("put_groups",),
     (G.PENDING, G.RUNNING): ("claim_groups",),
-    (G.RUNNING, G.PENDING): ("release_groups", "requeue_expired"),
+    (G.RUNNING, G.PENDING): ("release_groups", "requeue_expired", "release_claimer"),
     (G.RUNNING, G.FINISHED): ("put_trajectories",),  # with the group's last sample
     (G.RUNNING, G.FAILED): ("fail_groups",),
     (G.FAILED, G.PENDING): ("reissue_groups",),

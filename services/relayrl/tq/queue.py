@@ -290,6 +290,15 @@ class TransferQueue(QueueReads, QueueEvents):
         """Gives claimed groups back to pending (trajectories already written are kept)."""
         return self._end_claims(partition, claims, GroupStatus.PENDING, reason)
 
+    def release_claimer(self, partition: str, claimer: str, reason: str) -> list[str]:
+        """Gives back every group still claimed under `claimer`'s name (running -> pending,
+        trajectories already written kept), whatever its lease: what a claimer that starts
+        calls for the claims an earlier process of the same name left when it died, so that
+        they are not held until their leases expire. Claimer names must be unique among live
+        claimers. Returns the uids."""
+        self._claim_args(claimer, 1.0, None)
+        return [u.decode() for u in self._call(partition, "release_claimer", claimer, reason)]
+
     def requeue_expired(self, partition: str, max_groups: int = 1000) -> list[str]:
         """Returns groups whose claim lease expired to pending; returns their uids."""
         _positive_int(max_groups, "max_groups")

@@ -25,6 +25,7 @@ PARTITION_SCRIPTS = (
     "renew_leases",
     "end_claims",
     "requeue_expired",
+    "release_claimer",
     "move_groups",
     "put_trajectories",
     "score_trajectories",

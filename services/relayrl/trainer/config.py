@@ -23,7 +23,7 @@ from relayrl.core.config import (
 )
 from relayrl.tq.config import TQConfig
 from relayrl.trainer.advantages import AdvantageSettings
-from relayrl.trainer.curriculum import CurriculumSettings
+from relayrl.trainer.curriculum import CurriculumSettings, RetrySettings
 from relayrl.trainer.losses import LossSettings
 from relayrl.trainer.progress import ProgressSettings
 
@@ -279,6 +279,12 @@ class PromptDataSettings(StrictModel):
         description="Which prompt comes next: every prompt once per epoch, plus replays of "
         "prompts that still have signal (docs/algorithms.md#curriculum).",
     )
+    retry: RetrySettings = Field(
+        default_factory=RetrySettings,
+        description="A group that cannot be trained for a reason outside the policy (no valid "
+        "member, one valid member, too stale) is re-issued with its prompt, within a budget "
+        "(docs/algorithms.md#retries).",
+    )
     run_id: str = Field(
         "run",
         pattern=r"^[A-Za-z0-9.-]{1,40}$",
@@ -503,7 +509,7 @@ class TrainerConfig(ServiceConfig):
             prompts = load_dataset_prompts(
                 data.train_files, data.heldout_files, data.heldout_fraction
             )
-        curriculum = Curriculum(len(prompts), data.shuffle_seed, data.curriculum)
+        curriculum = Curriculum(len(prompts), data.shuffle_seed, data.curriculum, data.retry)
         return PromptFeeder(tq, prompts, template, curriculum)
 
     def build_sampler(self, tq: TransferQueue, watch: ProgressWatch) -> ReplaySampler:

@@ -1,14 +1,17 @@
 """The trainer's prompt feeder: prompt groups into the TransferQueue, ahead of training.
 
 The feeder owns one number, `num_issued`: the n-th issued group has uid `<run_id>-<n>`, and its
-prompt is the curriculum's choice (relayrl.trainer.curriculum: every prompt once per epoch, plus
-replays of prompts that still have signal). A group carries its prompt's row as `prompt_key`,
-so the trainer's verdict on it teaches the curriculum about that prompt.
+prompt is the curriculum's choice (relayrl.trainer.curriculum: re-issues of prompts whose group
+could not be trained for a reason outside the policy, every prompt once per epoch, replays of
+prompts that still have signal). A group carries its prompt's row as `prompt_key`, so the
+trainer's verdict on it teaches the curriculum about that prompt, and a re-issue names the group
+it re-issues (`retry_of`) and how many re-issues it is (`retry`).
 
 A uid, once put, names one prompt forever: the TransferQueue keeps the first put of a key. The
 cursor and the curriculum's state are checkpointed; on resume the feeder adopts the groups
 already in the queue past the checkpoint's cursor (issued after it, before the crash) instead
-of issuing those uids again, and the curriculum counts their prompts as issued.
+of issuing those uids again, and the curriculum counts their prompts as issued
+(docs/recovery.md#prompts-across-a-restart).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
-from relayrl.trainer.curriculum import Curriculum
+from relayrl.tq.model import GroupStatus
+from relayrl.trainer.curriculum import Curriculum, Issue, RetryCause, Skipped
 
 _ALLOWED_KEYS = {"prompt", "messages", "ground_truth", "data_source", "agent", "labels"}
 
@@ -133,13 +137,14 @@ class PromptFeeder:
         self.curriculum = curriculum
         self.num_issued = num_issued
         # prompts chosen for uids not yet put: a put retried after an outage reuses them
-        self._chosen: dict[int, int] = {}
+        self._chosen: dict[int, Issue] = {}
 
     def uid(self, n: int) -> str:
         return f"{self._template.run_id}-{n:09d}"
 
-    def group(self, n: int, index: int, step: int) -> common_pb2.PromptGroup:
-        """The n-th group, of prompt `index`."""
+    def group(self, n: int, issue: Issue, step: int) -> common_pb2.PromptGroup:
+        """The n-th group, of `issue`."""
+        index = issue.index
         record = self._records[index]
         t = self._template
         return common_pb2.PromptGroup(
@@ -156,6 +161,8 @@ class PromptFeeder:
             agent=record.agent or t.default_agent,
             labels=dict(record.labels),
             prompt_key=str(index),
+            retry_of=issue.retry_of,
+            retry=issue.retry,
         )
 
     def adopt_existing(self) -> int:
@@ -167,12 +174,30 @@ class PromptFeeder:
             (found,) = self._tq.get_groups(
                 partition, [self.uid(self.num_issued)], with_trajectories=False
             )
-            index = self.prompt_index(found.group)
+            group = found.group
+            index = self.prompt_index(group)
             if index is not None:
-                self.curriculum.adopt(index)
+                self.curriculum.adopt(group.uid, Issue(index, group.retry_of, group.retry))
             self.num_issued += 1
             adopted += 1
         return adopted
+
+    def dropped_in_flight(self) -> list[common_pb2.PromptGroup]:
+        """After a resume: groups the curriculum has in flight that the queue holds as dropped.
+        The staleness gate drops a group before it tells the feeder, so these were evicted
+        after the checkpoint by a trainer that died before its state was saved again: the
+        caller re-issues them (`retry`)."""
+        uids = self.curriculum.in_flight_groups()
+        if not uids:
+            return []
+        partition = self._template.partition
+        exists = self._tq.groups_exist(partition, uids)
+        present = [u for u, found in zip(uids, exists, strict=True) if found]
+        if not present:
+            return []
+        groups = self._tq.get_groups(partition, present, with_trajectories=False)
+        dropped = GroupStatus.DROPPED.to_proto()
+        return [g.group for g in groups if g.group.tags.status == dropped]
 
     def prompt_index(self, group: common_pb2.PromptGroup) -> int | None:
         """The row of this feeder's prompts that `group` rolls out, if it is one of ours."""
@@ -187,7 +212,7 @@ class PromptFeeder:
         if count:
             for n in range(self.num_issued, target):
                 if n not in self._chosen:
-                    self._chosen[n] = self.curriculum.next_prompt(step)
+                    self._chosen[n] = self.curriculum.next_issue(step, self.uid(n))
             groups = [self.group(n, self._chosen[n], step) for n in range(self.num_issued, target)]
             self._tq.put_groups(self._template.partition, groups)
             self._chosen.clear()
@@ -195,17 +220,23 @@ class PromptFeeder:
         return count
 
     def observe(self, group: common_pb2.PromptGroup, step: int, valid_rewards: list[float]) -> None:
-        """The trainer judged a group at `step`: the curriculum learns about its prompt."""
-        index = self.prompt_index(group)
-        if index is not None:
-            self.curriculum.observe(index, step, valid_rewards)
+        """The trainer judged a group at `step` for the policy (kept, or without signal): the
+        curriculum learns about its prompt."""
+        if self.prompt_index(group) is not None:
+            self.curriculum.observe(group.uid, step, valid_rewards)
 
-    def forget(self, groups: list[common_pb2.PromptGroup]) -> None:
-        """Groups that will never be judged (evicted, or consumed as stale)."""
-        for group in groups:
-            index = self.prompt_index(group)
-            if index is not None:
-                self.curriculum.forget(index)
+    def retry(
+        self, group: common_pb2.PromptGroup, cause: RetryCause, reason: str
+    ) -> Skipped | None:
+        """The trainer cannot train `group` for a reason outside the policy: its prompt is
+        re-issued by the next issue, or skipped once the issue's budget is spent (returned)."""
+        if self.prompt_index(group) is None:
+            return None
+        return self.curriculum.retry(group.uid, cause, reason)
+
+    def reissued(self, group: common_pb2.PromptGroup) -> bool:
+        """Whether `group`'s prompt was re-issued before a restart (`Curriculum.reissued`)."""
+        return self.prompt_index(group) is not None and self.curriculum.reissued(group.uid)
 
     def state_dict(self) -> dict[str, Any]:
         return {"num_issued": self.num_issued, "curriculum": self.curriculum.state_dict()}

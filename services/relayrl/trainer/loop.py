@@ -36,10 +36,11 @@ from relayrl.tq.model import GroupWithTrajectories
 from relayrl.tq.queue import TQUnavailableError
 from relayrl.trainer.batch import ScoredGroup, is_valid, scored_groups
 from relayrl.trainer.config import TrainerConfig
+from relayrl.trainer.curriculum import RETRY_CAUSES, RetryCause
 from relayrl.trainer.feeder import PromptFeeder
 from relayrl.trainer.metrics import StepMetrics, TrainerMetrics
 from relayrl.trainer.modes import TrainerMode
-from relayrl.trainer.progress import ProgressWatch
+from relayrl.trainer.progress import ProgressWatch, group_failure_text
 from relayrl.trainer.publish import WeightPublisher
 from relayrl.trainer.replay import (
     ReplaySampler,
@@ -140,6 +141,11 @@ class Leader:
             adopted = self._through_outage("resume", feeder.adopt_existing)
             if adopted:
                 logger.info("resume: %d groups were issued after the checkpoint", adopted)
+            # evicted after the checkpoint by a trainer that died before it saved again: its
+            # prompt is re-issued, with the one new group the eviction earned (refill credit)
+            for group in self._through_outage("resume", feeder.dropped_in_flight):
+                self._retry(group, "stale", "evicted as too stale before a restart", step)
+                self.refill_groups += 1
 
     def feed(self, step: int) -> None:
         """Issues the prompts step `step` needs (its batch, eta steps ahead, and the refills
@@ -183,15 +189,50 @@ class Leader:
         self.feed(step)
 
     def judge(self, group: GroupWithTrajectories, step: int) -> Verdict:
-        """The group's verdict (`judge_group`); the feeder's curriculum learns its outcome."""
-        if self.feeder is not None:
+        """The group's verdict (`judge_group`). The feeder re-issues the prompt of a group that
+        cannot be trained for a reason outside the policy; its curriculum learns the outcome of
+        any other. A group whose prompt was re-issued before a restart (as too stale: every
+        other such verdict is the same again) is stale whatever it holds now, so that its
+        prompt is not trained twice for one issue (docs/recovery.md#prompts-across-a-restart)."""
+        verdict = judge_group(group, use_dapo_filter=self.config.algorithm.dapo_filter)
+        if self.feeder is None:
+            return verdict
+        if verdict not in RETRY_CAUSES and self.feeder.reissued(group.group):
+            verdict = "stale"  # the sampler hands it to `_discard` too: heard once, no-op then
+        if verdict in RETRY_CAUSES:
+            reason = (
+                "re-issued before a restart" if verdict == "stale" else group_failure_text(group)
+            )
+            self._retry(group.group, verdict, reason, step)
+        else:
             rewards = [t.reward.score for t in group.trajectories if is_valid(t)]
             self.feeder.observe(group.group, step, rewards)
-        return judge_group(group, use_dapo_filter=self.config.algorithm.dapo_filter)
+        return verdict
 
-    def _discard(self, groups: list[common_pb2.PromptGroup]) -> None:
-        if self.feeder is not None:
-            self.feeder.forget(groups)
+    def _discard(self, groups: list[common_pb2.PromptGroup], step: int) -> None:
+        """Groups the staleness gate took out of play: their prompts are re-issued."""
+        threshold = self.config.algorithm.staleness_threshold
+        for group in groups:
+            staleness = step - group.tags.prompt_step + 1
+            reason = f"staleness {staleness} > {threshold} at step {step}"
+            self._retry(group, "stale", reason, step)
+
+    def _retry(
+        self, group: common_pb2.PromptGroup, cause: RetryCause, reason: str, step: int
+    ) -> None:
+        """Re-issues `group`'s prompt; past its budget, skips it or ends the run
+        (`data.retry.on_exhausted`)."""
+        assert self.feeder is not None
+        skipped = self.feeder.retry(group, cause, reason)
+        if skipped is None:
+            return
+        what = (
+            f"prompt {skipped.index} could not be trained after {skipped.retries} re-issues "
+            f"(its last group {skipped.group}: {cause}, {reason})"
+        )
+        if self.config.data.retry.on_exhausted == "stop":
+            self.watch.stop(step, f"{what}; data.retry.on_exhausted is stop")
+        logger.warning("step %d: %s; skipped", step, what)
 
     def sample(
         self, step: int, stop: Callable[[], bool]
@@ -203,7 +244,7 @@ class Leader:
             lambda count: self._refill(step, count),
             stop,
             on_wait=lambda: self._on_wait(step),
-            discard=self._discard,
+            discard=lambda groups: self._discard(groups, step),
         )
         groups = scored_groups(sample.kept, step, self.config.model.max_seq_len)
         metrics = self._sample_metrics(step, sample)
@@ -230,6 +271,18 @@ class Leader:
             metrics.set_aside = [
                 {"prompt": a.index, "epoch": a.epoch, "epochs": a.epochs, "reason": a.reason}
                 for a in curriculum.take_set_aside()
+            ]
+            retried, skipped = curriculum.take_retries()
+            metrics.retried = dict(retried)
+            metrics.skipped = [
+                {
+                    "prompt": s.index,
+                    "uid": s.group,
+                    "retries": s.retries,
+                    "cause": s.cause,
+                    "reason": s.reason,
+                }
+                for s in skipped
             ]
         tally = self.watch.step_tally()
         metrics.no_signal, metrics.failures = tally.no_signal, tally.failures

@@ -78,6 +78,8 @@ class StepMetrics:
     failures: dict[str, int] = field(default_factory=dict)  # infra failure reason -> rollouts
     generated_tokens: dict[str, int] = field(default_factory=dict)  # verdict -> tokens
     set_aside: list[dict[str, object]] = field(default_factory=list)  # the curriculum's
+    retried: dict[str, int] = field(default_factory=dict)  # groups re-issued, by cause
+    skipped: list[dict[str, object]] = field(default_factory=list)  # issues out of retries
     uids: list[str] = field(default_factory=list)  # the groups trained at this step
 
     def record(self, phases_s: dict[str, float], at: float) -> StepRecord:
@@ -95,6 +97,8 @@ class StepMetrics:
                 "failures": self.failures,
                 "generated_tokens": self.generated_tokens,
                 "set_aside": self.set_aside,
+                "retried": self.retried,
+                "skipped": self.skipped,
                 "uids": self.uids,
                 "row_tokens": self.row_tokens,
             }
@@ -148,8 +152,22 @@ class TrainerMetrics:
         )
         self.groups = Counter(
             _name("groups", "total"),
-            "Consumed or evicted groups by verdict (keep, stale, no_signal, no_valid, evicted).",
+            "Consumed or evicted groups by verdict (keep, stale, no_signal, no_valid, "
+            "one_valid, evicted).",
             ["verdict"],
+            registry=registry,
+        )
+        self.retried = Counter(
+            _name("retried_groups", "total"),
+            "Groups whose prompt was re-issued, by cause (no_valid, one_valid, stale): they "
+            "could not be trained for a reason outside the policy.",
+            ["cause"],
+            registry=registry,
+        )
+        self.skipped = Counter(
+            _name("skipped_prompts", "total"),
+            "Issues of a prompt given up after their retry budget (data.retry), by cause.",
+            ["cause"],
             registry=registry,
         )
         self.trained_tokens = Counter(
@@ -179,6 +197,10 @@ class TrainerMetrics:
             self.launched_length.observe(n)
         for verdict, n in metrics.groups.items():
             self.groups.labels(verdict).inc(n)
+        for cause, n in metrics.retried.items():
+            self.retried.labels(cause).inc(n)
+        for skipped in metrics.skipped:
+            self.skipped.labels(str(skipped["cause"])).inc()
         self.trained_tokens.inc(metrics.values.get("trained_tokens", 0))
         for phase, seconds in phases_s.items():
             self.phase_duration.labels(phase).set(seconds)

@@ -26,7 +26,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Literal
+from typing import IO, TYPE_CHECKING, Literal, NoReturn
 
 from pydantic import Field
 
@@ -99,7 +99,8 @@ class ProgressRecord:
     consumed: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     no_signal: dict[str, int] = field(default_factory=dict)
-    """Why groups had no signal: `all scored <r>`, `fewer than two valid answers`."""
+    """Why groups had no signal: `all scored <r>`, or `fewer than two valid answers` (a group
+    of one sample; one valid member of several is the verdict `one_valid`)."""
     rollouts: int = 0
     failed_rollouts: int = 0
     top_failure: str = ""
@@ -206,6 +207,16 @@ def failure_reason(trajectory: common_pb2.Trajectory) -> str | None:
         return None
     first = text.strip().splitlines()[0] if text.strip() else text
     return first[:REASON_CHARS]
+
+
+def group_failure_text(group: GroupWithTrajectories) -> str:
+    """Why a group's members failed, in words: `3 of 4 rollouts failed (most common, 3x: ...)`."""
+    reasons = Counter(r for t in group.trajectories if (r := failure_reason(t)) is not None)
+    total = len(group.trajectories)
+    if not reasons:
+        return f"no valid member of {total}"
+    reason, count = reasons.most_common(1)[0]
+    return f"{reasons.total()} of {total} rollouts failed (most common, {count}x: {reason})"
 
 
 def no_signal_reason(valid_rewards: list[float]) -> str:
@@ -334,6 +345,15 @@ class ProgressWatch:
         if self._clock() - self._reported_at >= self.settings.report_interval_s:
             self._reported_at = self._clock()
             self._emit(self.record(step, wanted, kept, consumed), logging.INFO)
+
+    def stop(self, step: int, cause: str) -> NoReturn:
+        """Ends the run for `cause`, a rule outside the watch's own (a prompt that ran out of
+        re-issues under `data.retry.on_exhausted: stop`): the same `stopped` record, error
+        line and NoProgress as a stop rule."""
+        record = self.record(step, 0, 0, 0)
+        record.kind, record.cause = "stopped", cause
+        self._emit(record, logging.ERROR)
+        raise NoProgress(cause)
 
     def stall_limit_s(self) -> float:
         s = self.settings

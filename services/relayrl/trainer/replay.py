@@ -40,21 +40,23 @@ from relayrl.trainer.progress import ProgressWatch
 
 # A group is kept, or rejected for one of these reasons; `credit` is how many new prompts the
 # feeder issues for it (docs/algorithms.md#refill-credit): one per evicted or failed group,
-# refill_per_filtered per group without signal.
-Verdict = str  # "keep" | "stale" | "no_signal" | "no_valid"
+# refill_per_filtered per group without signal. `stale`, `no_valid` and `one_valid` are reasons
+# outside the policy: the feeder re-issues the group's prompt (docs/algorithms.md#retries), and
+# that re-issue is the one new prompt. `no_signal` is the policy's own outcome.
+Verdict = str  # "keep" | "stale" | "no_signal" | "no_valid" | "one_valid"
 
 
 def judge_group(group: GroupWithTrajectories, *, use_dapo_filter: bool) -> Verdict:
     """What a step does with a fresh group: no_valid when every member failed as
-    infrastructure; no_signal when one member of several is valid (nothing to compare,
-    whatever the filter) or, with the DAPO filter on, the valid rewards are equal; keep
-    otherwise (a group of one is kept with the filter off). The trainer and `relayrl audit`
-    both judge by this."""
+    infrastructure; one_valid when one member of several is valid (the others failed, so there
+    is nothing to compare, whatever the filter); no_signal when, with the DAPO filter on, the
+    valid rewards are equal; keep otherwise (a group of one is kept with the filter off). The
+    trainer and `relayrl audit` both judge by this."""
     valid = [is_valid(t) for t in group.trajectories]
     if not any(valid):
         return "no_valid"
     if sum(valid) < 2 and len(valid) > 1:
-        return "no_signal"
+        return "one_valid"
     if not use_dapo_filter:
         return "keep"
     rewards = GroupRewards(
@@ -156,7 +158,7 @@ class ReplaySampler:
         failed group, `refill_per_filtered` per group without signal. `on_wait()` runs
         before every sleep (the leader re-announces its step to rollout from there);
         `discard(groups)` hears of the groups the gate evicts or rejects as stale, which
-        `judge` never sees."""
+        `judge` never sees, after they are out of play."""
         out = Sample(kept=[])
         seen: set[str] = set()
         start = self._clock()

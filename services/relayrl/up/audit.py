@@ -7,6 +7,14 @@ checked against relayrl's three promises (docs/recovery.md):
   without a lease, a finished trajectory whose event no consumer group will deliver, a group
   consumed at a step that did not train it although that step's own verdicts (staleness, no
   valid member, the DAPO filter) would have kept it;
+- no prompt lost: every issue of a prompt by the trainer's feeder ends in exactly one way
+  (docs/algorithms.md#retries). Its groups form a chain, each re-issue naming the group before
+  it (`retry_of`); the chain's last group was trained, was judged without signal (the
+  policy's outcome), was given up after the retry budget (`skipped` in its step's record), or
+  is still in play at the run's end. A group that could not be trained for a reason outside
+  the policy (no valid member, one valid member, too stale, dropped) and has no re-issue and
+  no skip is a prompt silently lost; a group re-issued twice, or re-issued although trained,
+  is an issue trained twice;
 - no stale weights served: every generated span carries the weight version of the engine
   that sampled it (the engine's own label), and that version was the committed one at some
   moment while the trajectory ran (an engine serving its initial weights after a newer
@@ -50,10 +58,13 @@ class AuditReport:
     spans_by_version: Counter[int] = field(default_factory=Counter)
     num_infra_trajectories: int = 0
     left_over: int = 0
+    prompts: Counter[str] = field(default_factory=Counter)  # issues, by how they ended
+    num_retries: int = 0  # groups that re-issue another's prompt
+    prompts_lost: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.trained_twice or self.lost or self.stale_served)
+        return not (self.trained_twice or self.lost or self.stale_served or self.prompts_lost)
 
     def summary(self) -> str:
         statuses = " ".join(f"{k}={v}" for k, v in sorted(self.statuses.items()))
@@ -61,7 +72,9 @@ class AuditReport:
             f"audit: groups {statuses}; trained={self.num_trained} "
             f"trained_twice={len(self.trained_twice)} lost={len(self.lost)} "
             f"stale_served={len(self.stale_served)} (of {self.num_spans} spans) "
-            f"infra_trajectories={self.num_infra_trajectories} left_over={self.left_over}"
+            f"infra_trajectories={self.num_infra_trajectories} left_over={self.left_over}; "
+            f"prompts issued={self.prompts.total()} retried={self.num_retries} "
+            f"prompts_skipped={self.prompts['skipped']} prompts_lost={len(self.prompts_lost)}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -75,6 +88,9 @@ class AuditReport:
             "spans_by_version": {str(v): n for v, n in sorted(self.spans_by_version.items())},
             "num_infra_trajectories": self.num_infra_trajectories,
             "left_over": self.left_over,
+            "prompts": dict(self.prompts),
+            "num_retries": self.num_retries,
+            "prompts_lost": self.prompts_lost,
         }
 
 
@@ -104,7 +120,8 @@ class CommitTimeline:
 def audit_run(run_dir: Path) -> AuditReport:
     """Audits a stopped run (see the module docstring)."""
     report = AuditReport()
-    trained = _trained_by_step(run_dir, report)
+    records = _final_records(run_dir)
+    trained = _trained_by_step(records, report)
     rules = StepRules.of_run(run_dir)
     consumer_group = _reward_consumer_group(run_dir)
     timeline = CommitTimeline.of_run(run_dir)
@@ -121,10 +138,12 @@ def audit_run(run_dir: Path) -> AuditReport:
     groups = snapshot.groups
     alive_events = _undelivered_or_pending(snapshot, consumer_group)
     leases = {lease.uid for lease in snapshot.leases}
+    reissues = _reissues(groups)
     for uid, group in groups.items():
         status = common_pb2.GroupStatus.Name(group.group.tags.status).removeprefix("GROUP_STATUS_")
         report.statuses[status.lower()] += 1
-        _check_group(uid, group, trained, rules, leases, alive_events, timeline, report)
+        _check_group(uid, group, trained, rules, leases, alive_events, timeline, reissues, report)
+    PromptAccount(groups, reissues, trained, records, rules).check(report)
     for uid, step in trained.items():
         if uid not in groups:
             report.lost.append(f"{uid}: trained at step {step} but not in the TransferQueue")
@@ -132,10 +151,14 @@ def audit_run(run_dir: Path) -> AuditReport:
     return report
 
 
-def _trained_by_step(run_dir: Path, report: AuditReport) -> dict[str, int]:
-    """uid -> the step that trained it, from the last record of every step (a step re-run
-    after a trainer restart is logged again; its last record is the one that counts)."""
-    final = {r.step: r for r in read_records(run_dir / "trainer" / "steps.jsonl", StepRecord)}
+def _final_records(run_dir: Path) -> dict[int, StepRecord]:
+    """The last record of every step (a step re-run after a trainer restart is logged again;
+    its last record is the one that counts)."""
+    return {r.step: r for r in read_records(run_dir / "trainer" / "steps.jsonl", StepRecord)}
+
+
+def _trained_by_step(final: dict[int, StepRecord], report: AuditReport) -> dict[str, int]:
+    """uid -> the step that trained it, from the last record of every step."""
     trained: dict[str, int] = {}
     for step, record in sorted(final.items()):
         for uid in record.uids:
@@ -157,6 +180,7 @@ class StepRules:
 
     staleness_threshold: int = 1
     dapo_filter: bool = True
+    staleness_policy: str = "drop"
 
     @classmethod
     def of_run(cls, run_dir: Path) -> StepRules:
@@ -166,16 +190,22 @@ class StepRules:
         if not config:
             return cls()
         algorithm = TrainerConfig.model_validate(config).algorithm
-        return cls(algorithm.staleness_threshold, algorithm.dapo_filter)
+        return cls(algorithm.staleness_threshold, algorithm.dapo_filter, algorithm.staleness.policy)
 
     def rejected(self, group: Any, step: int) -> bool:
         """Whether the step judged the group unusable: too stale, or not kept by the
         trainer's own verdict (`judge_group`)."""
+        return self.verdict(group, step) != "keep"
+
+    def verdict(self, group: Any, step: int) -> str:
+        """The step's verdict on a group it consumed: stale (only the `drop` policy judges so),
+        or `judge_group`'s."""
         from relayrl.trainer.replay import judge_group
 
-        if step - group.group.tags.prompt_step + 1 > self.staleness_threshold:
-            return True
-        return judge_group(group, use_dapo_filter=self.dapo_filter) != "keep"
+        stale = step - group.group.tags.prompt_step + 1 > self.staleness_threshold
+        if stale and self.staleness_policy == "drop":
+            return "stale"
+        return judge_group(group, use_dapo_filter=self.dapo_filter)
 
 
 def _reward_consumer_group(run_dir: Path) -> str:
@@ -206,6 +236,15 @@ def _id_after(a: str, b: str) -> bool:
     return (a_ms, a_seq) > (b_ms, b_seq)
 
 
+def _reissues(groups: dict[str, Any]) -> dict[str, list[str]]:
+    """uid -> the groups that re-issue its prompt (normally none or one)."""
+    out: dict[str, list[str]] = {}
+    for uid, group in sorted(groups.items()):
+        if group.group.retry_of:
+            out.setdefault(group.group.retry_of, []).append(uid)
+    return out
+
+
 def _check_group(
     uid: str,
     group: Any,
@@ -214,6 +253,7 @@ def _check_group(
     leases: set[str],
     alive_events: set[str],
     timeline: CommitTimeline,
+    reissues: dict[str, list[str]],
     report: AuditReport,
 ) -> None:
     tags = group.group.tags
@@ -227,7 +267,9 @@ def _check_group(
             report.trained_twice.append(
                 f"{uid}: trained at step {trained[uid]}, consumed in the queue at step {step}"
             )
-        if uid not in trained and not rules.rejected(group, step):
+        # a group whose prompt was re-issued before a trainer restart is judged stale after it
+        # (docs/recovery.md#prompts-across-a-restart), whatever it holds
+        if uid not in trained and uid not in reissues and not rules.rejected(group, step):
             report.lost.append(
                 f"{uid}: consumed at step {step} and usable there (fresh, with a signal), but "
                 "no step trained it"
@@ -282,3 +324,100 @@ def _check_evaluations(run_dir: Path, timeline: CommitTimeline, report: AuditRep
                     f"held-out evaluation ({record.kind}, step {record.step}) on "
                     f"version {version}, committed meanwhile: {sorted(committed)}"
                 )
+
+
+RETRY_VERDICTS = ("stale", "no_valid", "one_valid")
+IN_PLAY = frozenset(
+    {GroupStatus.PENDING, GroupStatus.RUNNING, GroupStatus.FINISHED, GroupStatus.SCORED}
+)
+
+
+@dataclass
+class PromptAccount:
+    """How every issue of a prompt by the trainer's feeder ended (the groups with a
+    `prompt_key`), from the queue's groups and the steps' last records."""
+
+    groups: dict[str, Any]
+    reissues: dict[str, list[str]]
+    trained: dict[str, int]
+    records: dict[int, StepRecord]
+    rules: StepRules
+
+    def check(self, report: AuditReport) -> None:
+        skipped = {s.uid: s for r in self.records.values() for s in r.skipped}
+        for uid, group in sorted(self.groups.items()):
+            if not group.group.prompt_key:
+                continue  # not the feeder's
+            if group.group.retry_of:
+                report.num_retries += 1
+                self._check_link(uid, group, report)
+            else:
+                end, last = self._end_of_issue(uid, skipped, report)
+                report.prompts[end] += 1
+                if end == "lost":
+                    report.prompts_lost.append(last)
+
+    def _check_link(self, uid: str, group: Any, report: AuditReport) -> None:
+        before = self.groups.get(group.group.retry_of)
+        if before is None:
+            report.prompts_lost.append(
+                f"{uid}: re-issues {group.group.retry_of}, which the TransferQueue does not hold"
+            )
+        elif (group.group.prompt_key, group.group.retry) != (
+            before.group.prompt_key,
+            before.group.retry + 1,
+        ):
+            report.prompts_lost.append(
+                f"{uid}: re-issues {before.group.uid} (prompt {before.group.prompt_key}, re-issue "
+                f"{before.group.retry}) as prompt {group.group.prompt_key}, re-issue "
+                f"{group.group.retry}"
+            )
+
+    def _end_of_issue(
+        self, root: str, skipped: dict[str, Any], report: AuditReport
+    ) -> tuple[str, str]:
+        """How the issue that `root` began ended (trained, without_signal, skipped, in_play or
+        lost), and, when lost, why; an issue trained twice is reported as such."""
+        uid = root
+        while True:
+            nxt = self.reissues.get(uid, [])
+            end = self._end_of_group(uid)
+            if len(nxt) > 1:
+                report.trained_twice.append(f"{uid}: its prompt re-issued {len(nxt)} times {nxt}")
+            if nxt and end in ("trained", "without_signal"):
+                report.trained_twice.append(f"{uid}: {end}, and its prompt re-issued as {nxt[0]}")
+            if not nxt:
+                break
+            uid = nxt[0]
+        if end in ("trained", "without_signal", "in_play"):
+            return end, ""
+        if uid in skipped:
+            return "skipped", ""
+        prompt = self.groups[uid].group.prompt_key
+        return "lost", (
+            f"{uid}: prompt {prompt}, {end}, neither re-issued nor recorded as skipped"
+            + (f" (its issue began with {root})" if uid != root else "")
+        )
+
+    def _end_of_group(self, uid: str) -> str:
+        """trained, without_signal, in_play, or the reason outside the policy that it was not
+        trained (stale, no_valid, one_valid, dropped, failed)."""
+        if uid in self.trained:
+            return "trained"
+        group = self.groups[uid]
+        tags = group.group.tags
+        status = GroupStatus(
+            common_pb2.GroupStatus.Name(tags.status).removeprefix("GROUP_STATUS_").lower()
+        )
+        if status in IN_PLAY:
+            return "in_play"
+        if status is not GroupStatus.CONSUMED:
+            return status.value  # dropped (by the staleness gate, or before a restart), failed
+        if tags.consumed_step not in self.records:
+            return "in_play"  # a step that never completed: its groups go back on resume
+        verdict = self.rules.verdict(group, tags.consumed_step)
+        if verdict == "no_signal":
+            return "without_signal"
+        if verdict in RETRY_VERDICTS:
+            return verdict
+        return f"usable at step {tags.consumed_step} but not trained"  # lost, see _check_group

@@ -3,6 +3,9 @@
     step 12/60  reward 0.41  held-out 38.5%@10  staleness 1.3 (max 2) 312 tok/s  engine-0=v12 2m31s
       step 13 waiting 30s: 5 of 16 groups kept; rejected no_signal 9 (all scored 0 8, ...)
 
+A step that re-issued prompts (groups it could not train for a reason outside the policy) or
+gave up on one after its retry budget says so, `retried 3` and `skipped 1`, only then.
+
 Read from what the services already publish: the trainer's step log (`trainer/steps.jsonl`),
 its progress records (`trainer/progress.jsonl`, relayrl.trainer.progress), the held-out
 evaluations (`eval.jsonl`) and weight-sync's GetVersion (the version each replica holds), so
@@ -96,6 +99,11 @@ class Progress:
             parts.append(f"staleness {record.staleness_mean:.1f} (max {worst:.0f})")
         if record.tokens_per_s is not None:
             parts.append(f"{record.tokens_per_s:.0f} tok/s")
+        retried = sum(record.retried.values())
+        if retried:
+            parts.append(f"retried {retried}")
+        if record.skipped:
+            parts.append(f"skipped {len(record.skipped)}")
         if versions is None:
             parts.append("weight-sync ?")
         else:

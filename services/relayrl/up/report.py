@@ -185,6 +185,8 @@ class KeyNumbers:
     failure_reasons: dict[str, int] = field(default_factory=dict)  # rollouts, by reason
     generated_tokens: int = 0  # response tokens of every consumed group
     wasted_tokens: float | None = None  # their share in groups without signal
+    groups_retried: dict[str, int] = field(default_factory=dict)  # prompt re-issued, by cause
+    prompts_skipped: list[str] = field(default_factory=list)  # "prompt <i> (<cause>: <reason>)"
     stop_cause: str | None = None  # why a stop rule ended the run
     failed_evals: list[str] = field(default_factory=list)  # "<kind> at step <n>: <error>"
     trained_tokens: float | None = None
@@ -240,6 +242,13 @@ def _evals(evals: list[EvalRecord]) -> dict[str, Any]:
     if reference is not None:
         out["eval_n"] = reference.n
     return out
+
+
+def _retried(steps: list[StepRecord]) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for record in steps:
+        out.update(record.retried)
+    return dict(out)
 
 
 def _groups_trained(steps: list[StepRecord]) -> int | None:
@@ -345,6 +354,12 @@ def key_numbers(inputs: RunInputs) -> KeyNumbers:
             if sum(tally.tokens.values())
             else None
         ),
+        groups_retried=_retried(steps),
+        prompts_skipped=[
+            f"prompt {s.prompt} after {s.retries} re-issues ({s.cause}: {s.reason})"
+            for r in steps
+            for s in r.skipped
+        ],
         stop_cause=stopped[-1].cause if stopped else None,
         failed_evals=[
             f"{r.kind} at step {r.step}: {r.error}".rstrip(": ") for r in inputs.failed_evals
@@ -479,6 +494,8 @@ def _clauses(n: KeyNumbers, unreadable: dict[str, str]) -> list[str]:
             "without signal"
         )
     clauses.append(_failed_clause(n))
+    if (retries := _retries_clause(n)) is not None:
+        clauses.append(retries)
     if n.stop_cause is not None:
         clauses.append(f"stopped: {n.stop_cause}")
     if unreadable:
@@ -506,6 +523,25 @@ def _rejected_clause(n: KeyNumbers) -> str:
         detail = f" ({_by_count(reasons)})" if reasons else ""
         parts.append(f"{verdict} {count}{detail}")
     return f"{total} group{'s' * (total != 1)} rejected: " + ", ".join(parts)
+
+
+def _retries_clause(n: KeyNumbers) -> str | None:
+    """Prompts re-issued for reasons outside the policy, and those given up, when any."""
+    retried = sum(n.groups_retried.values())
+    if not retried and not n.prompts_skipped:
+        return None
+    text = (
+        f"{retried} prompt{'s' * (retried != 1)} re-issued ({_by_count(n.groups_retried)})"
+        if retried
+        else "no prompt re-issued"
+    )
+    if n.prompts_skipped:
+        text += (
+            f", {len(n.prompts_skipped)} skipped after the retry budget: "
+            + "; ".join(n.prompts_skipped[:2])
+            + ("; ..." if len(n.prompts_skipped) > 2 else "")
+        )
+    return text
 
 
 def _failed_clause(n: KeyNumbers) -> str:
@@ -597,6 +633,12 @@ def table_rows(report: Report) -> list[tuple[str, str]]:
             none
             if n.groups_trained is None
             else f"{n.groups_trained}" + (f" (rejected: {rejected})" if rejected else ""),
+        ),
+        (
+            "Prompts re-issued / skipped (retry budget)",
+            none
+            if n.groups_trained is None
+            else f"{sum(n.groups_retried.values())} / {len(n.prompts_skipped)}",
         ),
         (
             "Trajectories of trained groups, scored",

@@ -72,6 +72,7 @@ UNKNOWN_PARTITION_CALLS: dict[str, Callable[[TransferQueue], object]] = {
     "reset_consumption": lambda tq: tq.reset_consumption("nope", after_step=0),
     "drop_groups": lambda tq: tq.drop_groups("nope", ["g"], "x"),
     "requeue_expired": lambda tq: tq.requeue_expired("nope"),
+    "release_claimer": lambda tq: tq.release_claimer("nope", "gw", "x"),
 }
 
 

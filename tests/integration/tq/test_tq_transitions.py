@@ -353,6 +353,30 @@ def test_expired_lease_requeues_and_renewal_keeps_it(tq: TransferQueue) -> None:
         tq.renew_leases(P, [c for c in claimed if c.group.uid == "b"], lease_s=60)
 
 
+def test_a_claimer_that_starts_takes_back_what_its_dead_predecessor_left(
+    tq: TransferQueue,
+) -> None:
+    """Every claim under the name goes back to pending at once, long before its lease ends;
+    another claimer's stays, and the dead process's late writes are refused."""
+    tq.put_groups(P, [group("a", n=2), group("b"), group("c")])
+    mine = tq.claim_named_groups(P, ["a", "b"], claimer="gateway-0", lease_s=600).claimed
+    other = tq.claim_named_groups(P, ["c"], claimer="gateway-1", lease_s=600).claimed
+    tq.put_trajectories(P, [TrajectoryPut(trajectory("a", 0), mine[0].claim_id)])
+    assert tq.counts(P).num_launched == 3
+    released = tq.release_claimer(P, "gateway-0", "released by a restarted claimer")
+    assert sorted(released) == sorted(c.group.uid for c in mine)
+    assert [lease.uid for lease in tq.leases(P)] == [other[0].group.uid]
+    assert tq.counts(P).num_launched == 1
+    assert tq.read_events(P)[-1].extra == {"reason": "released by a restarted claimer"}
+    with pytest.raises(StaleClaimError):
+        tq.put_trajectories(P, [TrajectoryPut(trajectory("a", 1), mine[0].claim_id)])
+    again = {
+        c.group.uid: c for c in tq.claim_groups(P, max_groups=2, claimer="g", lease_s=60).claimed
+    }
+    assert again["a"].missing_indices == [1]  # the trajectory written before the death stays
+    assert tq.release_claimer(P, "gateway-0", "x") == []
+
+
 def test_claim_respects_the_launched_cap_across_calls(tq: TransferQueue) -> None:
     tq.put_groups(P, [group(f"g{i}") for i in range(10)])
     first = tq.claim_groups(P, max_groups=4, claimer="a", lease_s=60, max_launched=6)

@@ -173,7 +173,8 @@ def test_feeder_issues_in_a_seeded_order_and_covers_every_prompt(tq, tmp_path) -
     groups = tq.get_groups("train", [f.uid(n) for n in range(5)], with_trajectories=False)
     assert [f.prompt_index(g.group) for g in groups] == [int(t) - 1 for t in issued]
     other = feeder(tq, tmp_path)  # the same seed chooses the same prompts
-    assert [other.curriculum.next_prompt(0) for _ in range(5)] == [int(t) - 1 for t in issued]
+    chosen = [other.curriculum.next_issue(0, other.uid(n)).index for n in range(5)]
+    assert chosen == [int(t) - 1 for t in issued]
 
 
 def test_feeder_resume_adopts_groups_issued_after_the_checkpoint(tq, tmp_path) -> None:
@@ -206,6 +207,49 @@ def test_feeder_replays_a_prompt_with_signal_and_a_failed_put_keeps_its_choice(
     f.issue_up_to(3, step=1)  # the retry puts the prompt chosen before, not the next one
     assert truths(tq, f, range(3))[2] == first.group.ground_truth
     assert f.curriculum.state_dict()["num_replays"] == 1
+
+
+def test_a_resumed_feeder_reissues_a_group_evicted_after_its_checkpoint(tq, tmp_path) -> None:
+    """The gate drops a group before the feeder hears of it; a trainer that died between the
+    two leaves a group in flight in its checkpoint that the queue holds as dropped. Another,
+    re-issued before the crash, is adopted with its link, and re-issued nothing more."""
+    from relayrl.trainer.replay import ReplaySampler
+
+    f = feeder(tq, tmp_path)
+    f.issue_up_to(2, step=0)
+    saved = json.loads(json.dumps(f.state_dict()))  # both groups in flight
+    evicted, failed = f.uid(0), f.uid(1)
+    for uid in (evicted, failed):
+        claimed = claim(tq, uid)
+        tq.put_trajectories("train", [_failed(uid, i, claimed) for i in range(2)])
+    (group,) = tq.get_groups("train", [failed], with_trajectories=False)
+    assert f.retry(group.group, "no_valid", "2 of 2 rollouts failed") is None
+    f.issue_up_to(3, step=1)  # its re-issue is put
+    (retry,) = tq.get_groups("train", [f.uid(2)], with_trajectories=False)
+    assert (retry.group.retry_of, retry.group.retry) == (failed, 1)
+    assert retry.group.prompt_key == group.group.prompt_key
+    sampler = ReplaySampler(tq, "train", policy="drop", threshold=1, poll_interval_s=0.01,
+                            watch=watch())  # fmt: skip
+    assert {g.uid for g in sampler.evict_stale(5)} == {evicted, failed}  # then a crash
+
+    resumed = feeder(tq, tmp_path)
+    resumed.load_state_dict(saved)
+    assert resumed.adopt_existing() == 1
+    dropped = resumed.dropped_in_flight()
+    assert sorted(g.uid for g in dropped) == sorted([evicted, failed])
+    for g in dropped:  # what Leader.resume does with them
+        assert resumed.retry(g, "stale", "evicted before a restart") is None
+    resumed.issue_up_to(5, step=5)
+    again = tq.get_groups("train", [resumed.uid(3), resumed.uid(4)], with_trajectories=False)
+    assert [g.group.retry_of for g in again] == [evicted, ""]  # `failed` once only
+
+
+def _failed(uid: str, index: int, claim_id: str):
+    from relayrl.proto.common.v1 import common_pb2
+    from relayrl.tq import TrajectoryPut
+
+    trajectory = common_pb2.Trajectory(uid=uid, index=index, error="engine died")
+    return TrajectoryPut(trajectory, claim_id, failed=True)
 
 
 @pytest.mark.parametrize(

@@ -143,3 +143,81 @@ def test_without_a_reward_consumer_group_every_finished_trajectory_is_still_to_d
     report = audit_run(run.dir)
     assert dict(report.statuses) == {"finished": 1}
     assert report.lost == [] and report.ok
+
+
+def test_every_issue_of_a_prompt_ends_trained_without_signal_skipped_or_in_play(
+    tmp_path: Path,
+) -> None:
+    """The feeder's groups form chains (a re-issue names the group before it); the audit
+    follows each to its end, and a group that could not be trained for a reason outside the
+    policy with neither a re-issue nor a skip is a prompt lost."""
+    run = Run(tmp_path / "run")
+    groups = {  # uid: (prompt, the group it re-issues, re-issue number)
+        "a0": ("1", "", 0), "a1": ("1", "a0", 1),  # failed, then trained
+        "b0": ("2", "", 0), "b1": ("2", "b0", 1),  # dropped as stale, then skipped
+        "c0": ("3", "", 0),  # failed: neither re-issued nor skipped
+        "d0": ("4", "", 0),  # all scored the same: the policy's outcome
+        "e0": ("5", "", 0),  # consumed by a step that never completed
+        "f0": ("6", "", 0), "f1": ("6", "f0", 1),  # failed; its re-issue still pending
+        "g0": ("7", "", 0), "g1": ("7", "g0", 1), "g2": ("7", "g0", 1),  # re-issued twice
+        "other": ("", "", 0),  # not the feeder's
+    }  # fmt: skip
+    try:
+        run.tq.put_groups(
+            PARTITION,
+            [
+                common_pb2.PromptGroup(
+                    uid=uid, num_samples=2, prompt_token_ids=[1, 2], prompt_key=key,
+                    retry_of=retry_of, retry=retry,
+                )
+                for uid, (key, retry_of, retry) in groups.items()
+            ],
+        )  # fmt: skip
+
+        def fail(uid: str) -> None:  # every rollout failed: scored at once
+            claim = run.claim(uid)
+            puts = [TrajectoryPut(trajectory(uid, i), claim, failed=True) for i in range(2)]
+            run.tq.put_trajectories(PARTITION, puts)
+
+        def scored(uid: str, *scores: float) -> None:
+            run.finish(uid)
+            run.score(uid, *scores)
+
+        for uid in ("a0", "c0", "f0", "g0"):
+            fail(uid)
+        scored("d0", 1.0, 1.0)
+        assert sorted(run.tq.consume(PARTITION, 0, 5)) == ["a0", "c0", "d0", "f0", "g0"]
+        scored("b0", 1.0, 0.0)
+        run.tq.drop_groups(PARTITION, ["b0"], "stale at step 1")
+        fail("b1")
+        for uid in ("a1", "g1", "g2"):
+            scored(uid, 1.0, 0.0)
+        assert sorted(run.tq.consume(PARTITION, 1, 4)) == ["a1", "b1", "g1", "g2"]
+        scored("e0", 1.0, 0.0)
+        assert run.tq.consume(PARTITION, 2, 1) == ["e0"]
+        scored("other", 1.0, 0.0)
+        skipped = {"prompt": 2, "uid": "b1", "retries": 1, "cause": "no_valid", "reason": "x"}
+        records = [
+            {"step": 0, "time": 0.0, "uids": []},
+            {"step": 1, "time": 1.0, "uids": ["a1", "g1", "g2"], "skipped": [skipped]},
+        ]
+        (run.dir / "trainer").mkdir()
+        (run.dir / "trainer" / "steps.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records)
+        )
+    finally:
+        run.stop()
+
+    report = audit_run(run.dir)
+    assert report.prompts == {
+        "trained": 2, "skipped": 1, "lost": 1, "without_signal": 1, "in_play": 2,
+    }  # fmt: skip
+    assert report.num_retries == 5
+    assert report.prompts_lost == [
+        "c0: prompt 3, no_valid, neither re-issued nor recorded as skipped"
+    ]
+    assert report.trained_twice == ["g0: its prompt re-issued 2 times ['g1', 'g2']"]
+    assert report.lost == [] and not report.ok
+    assert report.summary().endswith(
+        "; prompts issued=7 retried=5 prompts_skipped=1 prompts_lost=1"
+    )

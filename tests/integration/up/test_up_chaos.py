@@ -54,6 +54,9 @@ def test_every_part_killed_during_a_run_loses_nothing_and_serves_nothing_stale(
     assert moments["engine"] == "mid-generation", moments
     assert moments["weightsync"] == "mid-transfer", moments
     assert record["audit"]["num_spans"] > 0
+    # every issue of a prompt was trained, judged without signal, skipped by name after its
+    # retry budget, or is still in play (the engine kill's failed groups were re-issued)
+    assert record["audit"]["prompts_lost"] == [], record["audit"]["summary"]
 
     (run_dir,) = (tmp_path / "fixed").glob("r-*")
     events = [json.loads(x) for x in (run_dir / "logs/supervisor.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.up.audit import audit_run
 from relayrl_testkit.helpers.trust import ENGINE_PATHS, knock_on_run, service_descriptors
 from relayrl_testkit.helpers.up import (
     SHORT_RUN,
@@ -108,6 +109,8 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
     stopped_at = {r.step for r in steps_logged(run_dir)}
     assert (run_dir / "redis" / "appendonlydir").is_dir()
+    # the clean stop gave the gateway's claims back: the resume waits for no lease
+    assert audit_queue(run_dir).statuses["GROUP_STATUS_RUNNING"] == 0
 
     resumed = UpProcess.resume(run_dir)
     try:
@@ -118,6 +121,10 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     steps = {r.step for r in steps_logged(run_dir)}
     assert steps == {0, 1, 2, 3} and stopped_at <= steps
     check_exactly_once(run_dir, audit_queue(run_dir))
+    # across the stop and the resume, every issue of a prompt is accounted for
+    report = audit_run(run_dir)
+    assert report.prompts_lost == [], report.summary()
+    assert " prompts_skipped=0 prompts_lost=0" in report.summary(), report.summary()
     # the resumed trainer republished its checkpoint's weights before going on
     assert "republished version" in (run_dir / "logs" / "trainer.log").read_text()
     assert processes_of(run_dir) == []

@@ -38,6 +38,10 @@ STEP_LINE = {
     "staleness_histogram": {"1": 1, "2": 1},
     "policy_lag_histogram": {"0": 2},
     "set_aside": [{"prompt": 7, "epoch": 1, "epochs": 2, "reason": "all scored 0"}],
+    "retried": {"no_valid": 1},
+    "skipped": [
+        {"prompt": 3, "uid": "g0", "retries": 3, "cause": "stale", "reason": "staleness 3 > 2"}
+    ],
     "uids": ["g1", "g2"],
     "row_tokens": [12, 14, 9, 11],
 }

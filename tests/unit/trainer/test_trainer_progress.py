@@ -39,7 +39,7 @@ def test_a_waiting_step_reports_what_it_has_every_interval(tmp_path: Path) -> No
     w = watch(clock, tmp_path, report_interval_s=30)
     w.observe(group([1.0, 0.0]), "keep")
     w.observe(group([0.0, 0.0, 0.0]), "no_signal")
-    w.observe(group([0.0, None]), "no_signal")
+    w.observe(group([0.0, None]), "one_valid")
     w.observe(group([None, None]), "no_valid")
     clock.now = 10
     w.waiting(step=4, wanted=16, kept=1, consumed=4)  # before the interval: nothing
@@ -48,13 +48,12 @@ def test_a_waiting_step_reports_what_it_has_every_interval(tmp_path: Path) -> No
     (record,) = ProgressLog(tmp_path / "progress.jsonl").read_all()
     assert record.kind == "waiting"
     assert (record.step, record.kept, record.wanted, record.consumed) == (4, 1, 16, 4)
-    assert record.rejected == {"no_signal": 2, "no_valid": 1}
-    assert record.no_signal == {"all scored 0": 1, "fewer than two valid answers": 1}
+    assert record.rejected == {"no_signal": 1, "one_valid": 1, "no_valid": 1}
+    assert record.no_signal == {"all scored 0": 1}
     assert (record.rollouts, record.failed_rollouts, record.top_failure_count) == (9, 3, 3)
     assert record.line() == (
-        "step 4 waiting 31s: 1 of 16 groups kept; rejected no_signal 2 (all scored 0 1, "
-        "fewer than two valid answers 1), no_valid 1; 3 of 9 rollouts failed (most common, 3x: "
-        "agent exited 1: boom)"
+        "step 4 waiting 31s: 1 of 16 groups kept; rejected no_signal 1 (all scored 0 1), "
+        "no_valid 1, one_valid 1; 3 of 9 rollouts failed (most common, 3x: agent exited 1: boom)"
     )
     clock.now = 45
     w.waiting(step=4, wanted=16, kept=1, consumed=4)  # 14 s after the last report
@@ -101,7 +100,7 @@ def test_rollouts_failing_as_infrastructure_end_the_run_after_the_grace() -> Non
             group([None] * 8, error="agent 'external' exited 1: ImportError\nmore"), "no_valid"
         )
     w.waiting(step=0, wanted=4, kept=0, consumed=24)
-    w.observe(group([None] * 7 + [1.0]), "no_signal")  # 200 rollouts, 199 failed
+    w.observe(group([None] * 7 + [1.0]), "one_valid")  # 200 rollouts, 199 failed
     w.waiting(step=0, wanted=4, kept=0, consumed=25)  # not yet: within the grace
     clock.now = 121
     with pytest.raises(NoProgress) as raised:
@@ -152,7 +151,7 @@ def test_the_progress_log_skips_a_line_cut_by_a_crash(tmp_path: Path) -> None:
         ([1.0, 0.0], True, "keep"),
         ([1.0, 1.0], True, "no_signal"),
         ([1.0, 1.0], False, "keep"),
-        ([1.0, None], False, "no_signal"),  # one valid member of two: nothing to compare
+        ([1.0, None], False, "one_valid"),  # one valid member of two: nothing to compare
         ([None, None], False, "no_valid"),
         ([1.0], False, "keep"),  # issued with one sample (make bench-pipeline)
         ([1.0], True, "no_signal"),

@@ -12,6 +12,14 @@ from prometheus_client import CollectorRegistry
 from relayrl.core.records import StepRecord, read_records
 from relayrl.trainer.metrics import StepMetrics, TrainerMetrics
 
+SKIPPED = {
+    "prompt": 9,
+    "uid": "run-000000007",
+    "retries": 3,
+    "cause": "no_valid",
+    "reason": "4 of 4 rollouts failed",
+}
+
 
 def metrics(step: int) -> StepMetrics:
     return StepMetrics(
@@ -27,15 +35,22 @@ def metrics(step: int) -> StepMetrics:
         failures={"EngineUnavailable: down": 2},
         generated_tokens={"keep": 12},
         set_aside=[{"prompt": 4, "epoch": 0, "epochs": 1, "reason": "all scored 1"}],
+        retried={"no_valid": 2, "stale": 1},
+        skipped=[SKIPPED],
         uids=["a", "b", "c"],
     )
 
 
 def test_a_step_is_logged_with_the_json_it_always_had(tmp_path: Path) -> None:
     log = tmp_path / "trainer" / "steps.jsonl"
-    trainer = TrainerMetrics(CollectorRegistry(), log)
+    registry = CollectorRegistry()
+    trainer = TrainerMetrics(registry, log)
     trainer.observe(metrics(0), {"wait": 0.5, "update": 1.0})
     trainer.close()
+    retried = "relayrl_trainer_retried_groups_total"
+    assert registry.get_sample_value(retried, {"cause": "no_valid"}) == 2
+    skipped = "relayrl_trainer_skipped_prompts_total"
+    assert registry.get_sample_value(skipped, {"cause": "no_valid"}) == 1
 
     (line,) = log.read_text().splitlines()
     record = json.loads(line)
@@ -52,6 +67,8 @@ def test_a_step_is_logged_with_the_json_it_always_had(tmp_path: Path) -> None:
         "failures": {"EngineUnavailable: down": 2},
         "generated_tokens": {"keep": 12},
         "set_aside": [{"prompt": 4, "epoch": 0, "epochs": 1, "reason": "all scored 1"}],
+        "retried": {"no_valid": 2, "stale": 1},
+        "skipped": [SKIPPED],
         "uids": ["a", "b", "c"],
         "row_tokens": [10, 12],
         "phases_s": {"wait": 0.5, "update": 1.0},

@@ -22,8 +22,8 @@ from relayrl_testkit.helpers.trainer import judged_group as group
         ([1.0, 1.0, 1.0, 1.0], True, "no_signal"),
         ([1.0, 1.0, 1.0, 1.0], False, "keep"),
         # one valid member of four: nothing to compare, with the filter on or off
-        ([1.0, None, None, None], False, "no_signal"),
-        ([1.0, None, None, None], True, "no_signal"),
+        ([1.0, None, None, None], False, "one_valid"),
+        ([1.0, None, None, None], True, "one_valid"),
         ([None, None, None, None], False, "no_valid"),
         ([1.0], False, "keep"),
         ([1.0, None, 0.0, None], True, "keep"),
@@ -74,3 +74,12 @@ def test_an_evaluation_on_a_version_not_committed_while_it_ran_is_stale(tmp_path
     assert report.stale_served == [
         "held-out evaluation (periodic, step 2) on version 2, committed meanwhile: [1]"
     ]
+
+
+def test_only_the_drop_policy_judges_a_group_stale() -> None:
+    """Under `wait` the trainer never rejects for staleness: a group it did not train was
+    judged by `judge_group` alone, and a policy outcome needs no re-issue."""
+    old_flat = group([1.0, 1.0], prompt_step=0)
+    assert StepRules(staleness_threshold=1).verdict(old_flat, step=4) == "stale"
+    waiting = StepRules(staleness_threshold=1, staleness_policy="wait")
+    assert waiting.verdict(old_flat, step=4) == "no_signal"

@@ -333,6 +333,18 @@ def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_sto
                 "rollouts": 88.0,
                 "failed_rollouts": 8.0,
                 "generated_tokens": {"keep": 3000, "no_signal": 2000},
+                "retried": {"no_valid": 1, "stale": step},
+                "skipped": [
+                    {
+                        "prompt": 17,
+                        "uid": "run-000000031",
+                        "retries": 3,
+                        "cause": "no_valid",
+                        "reason": "4 of 4 rollouts failed (most common, 4x: EngineError: down)",
+                    }
+                ]
+                if step
+                else [],
                 "uids": [f"g{step}-{i}" for i in range(4)],
             }
         )
@@ -361,7 +373,17 @@ def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_sto
     assert n.wasted_tokens == pytest.approx(0.4) and n.generated_tokens == 10000
     assert n.failed_evals == ["periodic at step 1: TimeoutError"]
     assert n.stop_cause == cause
+    assert n.groups_retried == {"no_valid": 2, "stale": 1}
+    skipped = (
+        "prompt 17 after 3 re-issues (no_valid: 4 of 4 rollouts failed (most common, 4x: "
+        "EngineError: down))"
+    )
+    assert n.prompts_skipped == [skipped]
     summary = summary_text(report)
+    assert (
+        f"3 prompts re-issued (no_valid 2, stale 1), 1 skipped after the retry budget: {skipped}"
+        in (summary)
+    )
     assert "1 held-out evaluation FAILED (periodic at step 1: TimeoutError)" in summary
     assert "23 groups rejected: no_signal 21 (all scored 0 19, all scored 1 2), no_valid 2" in (
         summary
@@ -373,3 +395,21 @@ def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_sto
     )
     assert summary.endswith(f"stopped: {cause}.")
     assert report.unreadable == {}
+
+
+def test_the_step_line_says_retried_and_skipped_only_when_there_were_any(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from relayrl.core.records import StepRecord
+    from relayrl.up.progress import Progress
+
+    supervisor = SimpleNamespace(children={}, run_dir=tmp_path)
+    progress = Progress(tmp_path, supervisor, 20, lambda line: None)
+    quiet = StepRecord(step=3, time=0.0, reward_mean=0.5)
+    assert "retried" not in progress.line(quiet, {}, None)
+    assert "skipped" not in progress.line(quiet, {}, None)
+    skipped = {"prompt": 2, "uid": "run-1", "retries": 3, "cause": "stale", "reason": "stale"}
+    busy = StepRecord(
+        step=3, time=0.0, reward_mean=0.5, retried={"no_valid": 2, "stale": 1}, skipped=[skipped]
+    )
+    assert "reward 0.50  retried 3  skipped 1  " in progress.line(busy, {}, None)
