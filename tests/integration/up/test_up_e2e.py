@@ -1,8 +1,9 @@
 """`relayrl up` end to end, as a user runs it: redis-server, the four services and a real vLLM
 engine as processes, a warm-started tiny model trained for a few GRPO steps in each trainer
-mode, then audited (relayrl_testkit.helpers.up.check_short_run): weight versions reached the
-engine, the TransferQueue consumed every trained group exactly once and marked no trajectory as
-an infrastructure failure, every service's /metrics served its series, and nothing is left
+mode (colocate_async on a reasoning-gym task), then audited
+(relayrl_testkit.helpers.up.check_short_run): weight versions reached the engine, the
+TransferQueue consumed every trained group exactly once and marked no trajectory as an
+infrastructure failure, every service's /metrics served its series, and nothing is left
 running. The default mode's run is test_up_hosts.py's, checked the same way."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from relayrl.up.audit import audit_run
 from relayrl_testkit.helpers.trust import ENGINE_PATHS, knock_on_run, service_descriptors
@@ -40,27 +42,36 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
     return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
 
 
+# The task each mode's run trains. colocate_async's is a reasoning-gym task (an external
+# package's generator and its own reward manager), so that one run covers both.
+TASKS = {"sync": "arith", "colocate_async": "reasoning_gym:leg_counting"}
+
+
 @pytest.mark.timeout(900)
 # separate_async, the default, is checked the same way on the run of test_up_hosts.py, whose
 # parts are partitioned from one another while it trains
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> None:
-    steps = SHORT_RUN["train"]["steps"]
+    steps, task = SHORT_RUN["train"]["steps"], TASKS[mode]
     if mode == "sync":  # as a newcomer starts it: `make run` in the repository, runs/ relative
         repo = repository_copy(tmp_path / "repo")
         up = UpProcess.make_run(repo, SHORT_RUN, "--mode", mode)
     else:
-        up = UpProcess.start(runs_dir, SHORT_RUN, "--mode", mode)
+        up = UpProcess.start(runs_dir, SHORT_RUN, "--mode", mode, "--task", task)
     try:
         assert up.wait(900) == 0, up.output()
         run_dir = up.run_dir
         output = up.output()
     finally:
         up.stop()
-    assert f"trained arith for {steps} steps in {mode}" in output, output
+    assert f"trained {task} for {steps} steps in {mode}" in output, output
     if mode == "sync":
         assert run_dir.parent == repo / "runs" and (repo / "runs" / "cache").is_dir()
         assert "Traceback" not in output
+    else:  # scored by the reasoning-gym manager the task configured
+        reward_file = run_dir / "services" / "reward" / "relayrl-reward.yaml"
+        managers = yaml.safe_load(reward_file.read_text())["managers"]
+        assert managers["reasoning_gym"]["type"] == "reasoning_gym"
 
     check_short_run(run_dir, mode, steps)
 

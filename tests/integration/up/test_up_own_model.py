@@ -3,9 +3,9 @@ real pretrained model, imported from its GGUF file) trained for a few GRPO steps
 verl-format dataset the test writes, rewarded by the user's own function, through the real
 stack (redis-server, the four services, a vLLM engine), with every training setting at the
 pretrained model's defaults (docs/defaults.md: learning rate, temperature, response budget,
-the filter and its budget): only steps, batch sizes and the dataset are shrunk. Then a
-reasoning-gym task on the tiny model. And every input mistake is one line and exit code 2
-before anything starts."""
+the filter and its budget): only steps, batch sizes and the dataset are shrunk. And every
+input mistake is one line and exit code 2 before anything starts. (A reasoning-gym task on the
+tiny model runs in test_up_e2e.py, as its colocate_async run.)"""
 
 from __future__ import annotations
 
@@ -146,26 +146,6 @@ def test_a_real_pretrained_model_trains_on_a_verl_dataset(
     assert (len(prompts), len(heldout)) == (40, 4)
     trained = {json.dumps(json.loads(p)["messages"]) for p in prompts}
     assert trained.isdisjoint(json.dumps(json.loads(h)["messages"]) for h in heldout)
-
-
-@pytest.mark.timeout(900)
-def test_a_reasoning_gym_task_runs_through_the_stack(runs_dir: Path) -> None:
-    config = {
-        "task": {"train_prompts": 40, "heldout_prompts": 10},
-        "train": {
-            "steps": 2, "batch_groups": 2, "samples_per_prompt": 2, "max_tokens": 16,
-            "checkpoint_interval_steps": 1,
-        },
-        "eval": {"interval_steps": 0, "sampled": False},
-        "engine": {"max_num_seqs": 16},
-        "services": {"trainer": {"algorithm": {"dapo_filter": False}}},
-    }  # fmt: skip
-    up = UpProcess.start(runs_dir, config, "--task", "reasoning_gym:leg_counting")
-    run_dir, output = finished_run(up, 800)
-    check_run(run_dir, output, "reasoning_gym:leg_counting", steps=2, heldout=10)
-    reward_file = run_dir / "services" / "reward" / "relayrl-reward.yaml"
-    reward_config = yaml.safe_load(reward_file.read_text())
-    assert reward_config["managers"]["reasoning_gym"]["type"] == "reasoning_gym"
 
 
 # -- mistakes: one line, exit 2, nothing started -------------------------------------------------
