@@ -23,7 +23,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 import yaml
 from pydantic import (
@@ -58,9 +58,14 @@ class ConfigError(ValueError):
 
 
 class StrictModel(BaseModel):
-    """Base of every config section: a misspelt key is an error, not a silently ignored one."""
+    """Base of every config section: a misspelt key is an error, not a silently ignored one.
+
+    A section whose key moved lists it in `renamed_keys` (old key -> where it went, relative
+    to the section): the old key stays an error, whose message names the new one. Nothing
+    has been released, so a move is not kept working under its old name."""
 
     model_config = ConfigDict(extra="forbid")
+    renamed_keys: ClassVar[dict[str, str]] = {}
 
 
 class TlsServerConfig(StrictModel):
@@ -153,8 +158,17 @@ class HttpLinkConfig(StrictModel):
     )
 
 
+# the two keepalive keys became the `keepalive:` section (GrpcKeepaliveConfig)
+_KEEPALIVE_MOVED = {
+    "keepalive_time_s": "keepalive.time_s",
+    "keepalive_timeout_s": "keepalive.timeout_s",
+}
+
+
 class GrpcServerConfig(StrictModel):
     """How a service's gRPC server listens (`grpc:` section)."""
+
+    renamed_keys = _KEEPALIVE_MOVED
 
     host: str = Field(
         "127.0.0.1",
@@ -261,6 +275,8 @@ class ClientCredentialsConfig(TokenSourceConfig):
 
 class GrpcClientConfig(ClientCredentialsConfig):
     """How a service calls another one (a peer's section, e.g. `weightsync_client:`)."""
+
+    renamed_keys = _KEEPALIVE_MOVED
 
     target: str = Field(min_length=1, description="gRPC target, e.g. `dns:///weightsync:50051`.")
     max_message_bytes: int = Field(
@@ -616,7 +632,7 @@ def _describe_errors(
         loc = _field_loc(model_cls, error["loc"])
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
-            message += _known_fields_hint(model_cls, loc[:-1])
+            message = _extra_key_message(model_cls, loc, message)
         source = _source_of(loc, file_label, sources)
         if loc:
             lines.append(f"{source}: {'.'.join(str(part) for part in loc)}: {message}")
@@ -663,16 +679,19 @@ def _child_annotation(annotation: Any, part: int | str) -> Any:
     return None
 
 
-def _known_fields_hint(model_cls: type[BaseModel], parent: tuple[int | str, ...]) -> str:
+def _extra_key_message(model_cls: type[BaseModel], loc: tuple[int | str, ...], message: str) -> str:
+    """An unknown key's message: where it moved, if its section renamed it; else the keys
+    the section knows."""
     annotation: Any = model_cls
-    for part in parent:
+    for part in loc[:-1]:
         annotation = _child_annotation(annotation, part)
-    names = [
-        info.alias or name
-        for model in _models_in(annotation)
-        for name, info in model.model_fields.items()
-    ]
-    return f" (known: {', '.join(dict.fromkeys(names))})" if names else ""
+    models = _models_in(annotation)
+    for model in models:
+        moved = getattr(model, "renamed_keys", {}).get(str(loc[-1]))
+        if moved is not None:
+            return f"renamed to {'.'.join(map(str, (*loc[:-1], *moved.split('.'))))}"
+    names = [info.alias or name for model in models for name, info in model.model_fields.items()]
+    return message + (f" (known: {', '.join(dict.fromkeys(names))})" if names else "")
 
 
 def _source_of(

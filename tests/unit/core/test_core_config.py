@@ -289,3 +289,11 @@ def test_every_field_is_documented_and_extra_keys_are_forbidden(
     assert model.model_config.get("extra") == "forbid"
     for name, info in model.model_fields.items():
         assert info.description, f"{model.__name__}.{name} has no description"
+
+
+def test_a_renamed_key_is_refused_naming_its_new_place(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "grpc:\n  keepalive_time_s: 10\n")
+    assert (
+        message
+        == f"{tmp_path / 'config.yaml'}: grpc.keepalive_time_s: renamed to grpc.keepalive.time_s"
+    )
