@@ -75,7 +75,7 @@ def timed(fn):  # type: ignore[no-untyped-def]
 def relayrl_side(rank: int, world_size: int, hf_dir: Path, lengths: list[int], args):  # type: ignore[no-untyped-def]
     import torch
 
-    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.config import OptimizerConfig
     from relayrl.trainer.forward import (
         TokenBatch,
         forward_backward,
@@ -89,7 +89,7 @@ def relayrl_side(rank: int, world_size: int, hf_dir: Path, lengths: list[int], a
     spec = ModelSpec.from_hf_dir(hf_dir)
     model = build_model(spec, params_dtype=torch.bfloat16)
     load_hf_dir(model, hf_dir)
-    optimizer = build_optimizer(model, OptimizerSettings(lr=1e-6, clip_grad=1.0))
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-6, clip_grad=1.0))
     batch = TokenBatch(token_ids(lengths, spec.vocab_size), torch.tensor(lengths))
     num_tokens = sum(n - 1 for n in lengths)
 

@@ -29,7 +29,7 @@ from relayrl.core.config import LoggingConfig, StrictModel, deep_merge
 from relayrl.gateway.config import GatewayConfig, KubernetesDiscoveryConfig
 from relayrl.reward.config import RewardConfig
 from relayrl.tq.config import TQConfig
-from relayrl.trainer.config import TrainerConfig, WeightSyncPublishSettings
+from relayrl.trainer.config import TrainerConfig, WeightSyncPublishConfig
 from relayrl.weightsync.config import WeightSyncConfig
 
 ServiceName = Literal["reward", "gateway", "weightsync", "trainer"]
@@ -363,7 +363,7 @@ def disagreements(stack: StackConfig) -> list[Disagreement]:
         "trainer.gateway.target": (t.gateway, "gateway"),
         "weightsync.gateway.target": (stack.weightsync.gateway, "gateway"),
     }
-    if isinstance(t.publish, WeightSyncPublishSettings):
+    if isinstance(t.publish, WeightSyncPublishConfig):
         clients["trainer.publish.target"] = (t.publish, "weightsync")
     for path, (client, peer) in clients.items():
         target = getattr(client, "target", None)

@@ -45,7 +45,7 @@ from relayrl.core.config import StrictModel
 from relayrl.trainer.losses import warn_ignored_options
 
 
-class AdvantageSettings(StrictModel):
+class AdvantageConfig(StrictModel):
     """How per-trajectory advantages are computed from a group's rewards."""
 
     estimator: Literal["grpo", "rloo"] = Field(
@@ -63,7 +63,7 @@ class AdvantageSettings(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _unused(self) -> AdvantageSettings:
+    def _unused(self) -> AdvantageConfig:
         if self.estimator == "rloo":
             warn_ignored_options(self, ["normalize_std", "eps"], "they apply to estimator grpo")
         return self
@@ -118,7 +118,7 @@ def has_signal(group: GroupRewards) -> bool:
     return len(valid) >= 2 and max(valid) != min(valid)
 
 
-def _valid_advantages(valid: list[float], settings: AdvantageSettings) -> list[float]:
+def _valid_advantages(valid: list[float], settings: AdvantageConfig) -> list[float]:
     n = len(valid)
     if n < 2 or max(valid) == min(valid):
         return [0.0] * n  # nothing to compare: exact zeros, not float noise
@@ -134,7 +134,7 @@ def _valid_advantages(valid: list[float], settings: AdvantageSettings) -> list[f
 
 
 def group_advantages(
-    groups: Sequence[GroupRewards], settings: AdvantageSettings
+    groups: Sequence[GroupRewards], settings: AdvantageConfig
 ) -> list[GroupAdvantages]:
     """Advantages of every member of every group, with baselines from the valid members only.
 

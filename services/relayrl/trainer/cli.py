@@ -79,7 +79,7 @@ def sft_main(argv: Sequence[str]) -> int:
         problems.append("--min-lr must be between 0 and --lr")
     if args.lr <= 0:
         problems.append("--lr must be > 0")
-    elif args.lr > 1:  # the bound of OptimizerSettings.lr, which the warm start builds
+    elif args.lr > 1:  # the bound of OptimizerConfig.lr, which the warm start builds
         problems.append("--lr must be <= 1")
     if args.target_accuracy is not None and not (
         args.eval_data is not None and 0.0 < args.target_accuracy <= 1.0
@@ -96,7 +96,7 @@ def sft_main(argv: Sequence[str]) -> int:
 
     from relayrl.core.ports import free_port
     from relayrl.trainer.server import quiet_megatron
-    from relayrl.trainer.sft import SftDataError, SftSettings, run_sft
+    from relayrl.trainer.sft import SftConfig, SftDataError, run_sft
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     quiet_megatron("INFO")
@@ -106,7 +106,7 @@ def sft_main(argv: Sequence[str]) -> int:
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
         )  # fmt: skip
-    settings = SftSettings(
+    settings = SftConfig(
         model=args.model,
         data=args.data,
         out=args.out,

@@ -22,10 +22,10 @@ from relayrl.core.config import (
     StrictModel,
 )
 from relayrl.tq.config import TQConfig
-from relayrl.trainer.advantages import AdvantageSettings
-from relayrl.trainer.curriculum import CurriculumSettings, RetrySettings
-from relayrl.trainer.losses import LossSettings
-from relayrl.trainer.progress import ProgressSettings
+from relayrl.trainer.advantages import AdvantageConfig
+from relayrl.trainer.curriculum import CurriculumConfig, RetryConfig
+from relayrl.trainer.losses import LossConfig
+from relayrl.trainer.progress import ProgressConfig
 
 if TYPE_CHECKING:  # the builders import their components when called, not the config
     from relayrl.tq import TransferQueue
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # the builders import their components when called, not the c
 MODES = ("sync", "colocate_async", "separate_async")
 
 
-class ModelSettings(StrictModel):
+class ModelConfig(StrictModel):
     """The policy: an HF folder (Qwen2/Llama architecture) and its megatron layout."""
 
     hf_dir: Path = Field(
@@ -68,7 +68,7 @@ class ModelSettings(StrictModel):
     )
 
 
-class OptimizerSettings(StrictModel):
+class OptimizerConfig(StrictModel):
     """Adam through megatron's optimizer (distributed optimizer selectable); the one optimizer
     settings type of the trainer and of `relayrl-trainer sft`.
 
@@ -92,7 +92,7 @@ class OptimizerSettings(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _floor_below_peak(self) -> OptimizerSettings:
+    def _floor_below_peak(self) -> OptimizerConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"optim.min_lr ({self.min_lr}) must be <= optim.lr ({self.lr})")
         return self
@@ -124,7 +124,7 @@ class OptimizerSettings(StrictModel):
         )
 
 
-class StalenessSettings(StrictModel):
+class StalenessConfig(StrictModel):
     """The replay-buffer gate (docs/staleness.md#consumption-gate):
     staleness = step - prompt_step + 1."""
 
@@ -141,7 +141,7 @@ class StalenessSettings(StrictModel):
     )
 
 
-class AlgorithmSettings(StrictModel):
+class AlgorithmConfig(StrictModel):
     """What one step does, and how steps relate to rollout."""
 
     mode: Literal["sync", "colocate_async", "separate_async"] = Field(
@@ -211,12 +211,12 @@ class AlgorithmSettings(StrictModel):
         "or more of the groups have no signal (each filtered group then begets more than one "
         "filtered group on average).",
     )
-    advantage: AdvantageSettings = Field(default_factory=AdvantageSettings)
-    loss: LossSettings = Field(default_factory=LossSettings)
-    staleness: StalenessSettings = Field(default_factory=StalenessSettings)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 
     @model_validator(mode="after")
-    def _batches(self) -> AlgorithmSettings:
+    def _batches(self) -> AlgorithmConfig:
         k = self.parameter_sync_step
         mini = self.mini_batch_groups or self.train_batch_groups // k
         if mini * k != self.train_batch_groups:
@@ -246,7 +246,7 @@ def default_staleness_bound(mode: str, eta: int, k: int) -> int:
     return {"sync": 1, "colocate_async": 2}.get(mode, eta + k)
 
 
-class PromptDataSettings(StrictModel):
+class PromptDataConfig(StrictModel):
     """Where the trainer's prompt feeder takes prompt groups from."""
 
     prompts_file: Path | None = Field(
@@ -274,13 +274,13 @@ class PromptDataSettings(StrictModel):
     partition: str = Field("train", min_length=1, description="TransferQueue partition.")
     samples_per_prompt: int = Field(4, ge=1, le=1024, description="Trajectories per group.")
     shuffle_seed: int = Field(0, ge=0, description="Order of prompts in every epoch.")
-    curriculum: CurriculumSettings = Field(
-        default_factory=CurriculumSettings,
+    curriculum: CurriculumConfig = Field(
+        default_factory=CurriculumConfig,
         description="Which prompt comes next: every prompt once per epoch, plus replays of "
         "prompts that still have signal (docs/algorithms.md#curriculum).",
     )
-    retry: RetrySettings = Field(
-        default_factory=RetrySettings,
+    retry: RetryConfig = Field(
+        default_factory=RetryConfig,
         description="A group that cannot be trained for a reason outside the policy (no valid "
         "member, one valid member, too stale) is re-issued with its prompt, within a budget "
         "(docs/algorithms.md#retries).",
@@ -300,7 +300,7 @@ class PromptDataSettings(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _one_source(self) -> PromptDataSettings:
+    def _one_source(self) -> PromptDataConfig:
         if self.prompts_file is not None and self.train_files:
             raise ValueError("give prompts_file or train_files, not both")
         if self.heldout_files and not self.train_files:
@@ -308,7 +308,7 @@ class PromptDataSettings(StrictModel):
         return self
 
 
-class CheckpointSettings(StrictModel):
+class CheckpointConfig(StrictModel):
     """dist_checkpointing snapshots: model, optimizer, RNG, data and TransferQueue cursors."""
 
     dir: Path | None = Field(None, description="Root folder; null disables checkpoints.")
@@ -317,13 +317,13 @@ class CheckpointSettings(StrictModel):
     resume: bool = Field(True, description="Continue from the latest snapshot in dir.")
 
 
-class NoPublishSettings(StrictModel):
+class NoPublishConfig(StrictModel):
     """New weights stay in the trainer (tests, offline runs)."""
 
     type: Literal["none"] = "none"
 
 
-class HfDirPublishSettings(StrictModel):
+class HfDirPublishConfig(StrictModel):
     """Each published version is written as an HF folder `<dir>/v<version>` (engines or
     weight-sync can load it from a shared volume)."""
 
@@ -332,7 +332,7 @@ class HfDirPublishSettings(StrictModel):
     keep: int = Field(2, ge=1, description="Versions kept on disk.")
 
 
-class WeightSyncPublishSettings(ClientCredentialsConfig):
+class WeightSyncPublishConfig(ClientCredentialsConfig):
     """Each version goes to the weight-sync service, which switches every engine to it (with
     this section's `tls` and token, when weight-sync authenticates its callers)."""
 
@@ -368,7 +368,7 @@ class WeightSyncPublishSettings(ClientCredentialsConfig):
 
 
 PublishSettings = Annotated[
-    NoPublishSettings | HfDirPublishSettings | WeightSyncPublishSettings,
+    NoPublishConfig | HfDirPublishConfig | WeightSyncPublishConfig,
     Field(discriminator="type"),
 ]
 
@@ -377,17 +377,17 @@ class TrainerConfig(ServiceConfig):
     """trainer: samples scored groups from the TransferQueue and trains the policy."""
 
     tq: TQConfig = Field(default_factory=TQConfig, description="The TransferQueue (Redis).")
-    model: ModelSettings = Field(default_factory=ModelSettings)
-    optim: OptimizerSettings = Field(default_factory=OptimizerSettings)
-    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
-    data: PromptDataSettings = Field(default_factory=PromptDataSettings)
-    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
-    progress: ProgressSettings = Field(
-        default_factory=ProgressSettings,
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    data: PromptDataConfig = Field(default_factory=PromptDataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    progress: ProgressConfig = Field(
+        default_factory=ProgressConfig,
         description="Reports of a waiting step and the stop rules of a run that cannot "
         "progress (docs/progress.md).",
     )
-    publish: PublishSettings = Field(default_factory=NoPublishSettings)
+    publish: PublishSettings = Field(default_factory=NoPublishConfig)
     gateway: GrpcClientConfig | None = Field(
         None,
         description="The rollout-gateway: told the policy step after every published "

@@ -53,7 +53,7 @@ infrastructure; one member of several is valid (the others failed, so nothing to
 too stale to train (the `drop` policy evicted it or consumed it as stale)."""
 
 
-class CurriculumSettings(StrictModel):
+class CurriculumConfig(StrictModel):
     """How the feeder chooses prompts (docs/algorithms.md#curriculum)."""
 
     enabled: bool = Field(
@@ -80,7 +80,7 @@ class CurriculumSettings(StrictModel):
     )
 
 
-class RetrySettings(StrictModel):
+class RetryConfig(StrictModel):
     """What becomes of a group that cannot be trained for a reason outside the policy
     (docs/algorithms.md#retries)."""
 
@@ -160,15 +160,15 @@ class Curriculum:
         self,
         num_prompts: int,
         seed: int,
-        settings: CurriculumSettings,
-        retry: RetrySettings | None = None,
+        settings: CurriculumConfig,
+        retry: RetryConfig | None = None,
     ) -> None:
         if num_prompts < 1:
             raise ValueError("a curriculum needs at least one prompt")
         self._num_prompts = num_prompts
         self._seed = seed
         self._settings = settings
-        self._retry = retry or RetrySettings()
+        self._retry = retry or RetryConfig()
         self._prompts = [_Prompt() for _ in range(num_prompts)]
         self._epoch = 0
         self._position = 0  # in the epoch's permutation
@@ -194,7 +194,7 @@ class Curriculum:
         return self._epoch
 
     @property
-    def retry_settings(self) -> RetrySettings:
+    def retry_settings(self) -> RetryConfig:
         return self._retry
 
     def next_issue(self, step: int, group: str) -> Issue:

@@ -87,7 +87,7 @@ def warn_ignored_options(model: StrictModel, names: Sequence[str], reason: str) 
         warnings.warn(f"{', '.join(unused)} ignored: {reason}", UserWarning, stacklevel=2)
 
 
-class ClipSettings(StrictModel):
+class ClipConfig(StrictModel):
     """PPO clipping of rho = π_θ/π_old (asymmetric, DAPO's clip-higher), with an optional dual
     clip for negative advantages (Ye et al., 2020)."""
 
@@ -104,7 +104,7 @@ class ClipSettings(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _dual_clip_outside_trust_region(self) -> ClipSettings:
+    def _dual_clip_outside_trust_region(self) -> ClipConfig:
         c = self.dual_clip_c
         if c is not None and not (math.isfinite(c) and c > 1.0 + self.eps_high):
             raise ValueError(
@@ -114,7 +114,7 @@ class ClipSettings(StrictModel):
         return self
 
 
-class ISSettings(StrictModel):
+class ISConfig(StrictModel):
     """Importance weights w = π_old/μ that correct for the behaviour policy
     (docs/algorithms.md#importance-weights). `none` leaves w = 1 but the raw weights are still
     measured."""
@@ -150,7 +150,7 @@ class ISSettings(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _interval_and_unused(self) -> ISSettings:
+    def _interval_and_unused(self) -> ISConfig:
         if self.alpha >= self.beta:
             raise ValueError(
                 f"icepop interval is empty: alpha ({self.alpha}) must be less than beta "
@@ -223,7 +223,7 @@ class RejectionRule(StrictModel):
 RejectionSettings = list[RejectionRule]
 
 
-class LossSettings(StrictModel):
+class LossConfig(StrictModel):
     """The policy loss of one update (docs/algorithms.md#decoupled-ppo)."""
 
     aggregation: Aggregation = Field(
@@ -232,9 +232,9 @@ class LossSettings(StrictModel):
         "every sequence weighs the same (its tokens averaged); seq-mean-token-sum: every "
         "sequence weighs the same, its tokens summed (Dr. GRPO-style, length-unbiased).",
     )
-    clip: ClipSettings = Field(default_factory=ClipSettings, description="PPO clipping.")
-    importance_sampling: ISSettings = Field(
-        default_factory=ISSettings, description="Behaviour-policy weights w = π_old/μ."
+    clip: ClipConfig = Field(default_factory=ClipConfig, description="PPO clipping.")
+    importance_sampling: ISConfig = Field(
+        default_factory=ISConfig, description="Behaviour-policy weights w = π_old/μ."
     )
     rejection: RejectionSettings = Field(
         default_factory=list,
@@ -253,7 +253,7 @@ class LossSettings(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _unused(self) -> LossSettings:
+    def _unused(self) -> LossConfig:
         if self.kl_coef == 0.0:
             warn_ignored_options(self, ["kl_estimator"], "kl_coef is 0")
         return self
@@ -330,7 +330,7 @@ def _quantile(values: Tensor, q: float) -> float:
 
 
 def is_weights(
-    old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, settings: ISSettings
+    old_logp_BT: Tensor, rollout_logp_BT: Tensor, mask_BT: Tensor, settings: ISConfig
 ) -> tuple[Tensor, dict[str, float]]:
     """Behaviour weights w ≈ π_old/μ per token, detached, 0 outside the mask
     (docs/algorithms.md#importance-weights).
@@ -483,7 +483,7 @@ def ppo_loss_terms(
     adv: Tensor,
     w_BT: Tensor | None,
     mask_BT: Tensor,
-    clip: ClipSettings,
+    clip: ClipConfig,
 ) -> tuple[Tensor, dict[str, float]]:
     """Per-token decoupled PPO loss, 0 outside the mask (docs/algorithms.md#decoupled-ppo):
 
@@ -567,7 +567,7 @@ def policy_token_loss(
     old_logp_BT: Tensor,
     adv: Tensor,
     mask_BT: Tensor,
-    settings: LossSettings,
+    settings: LossConfig,
     w_BT: Tensor | None = None,
     ref_logp_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:

@@ -5,7 +5,7 @@ a launcher that runs a function on N local ranks.
     spec = ModelSpec.from_hf_dir(hf_dir)
     model = build_model(spec)                                 # megatron DDP(GPTModel)
     load_hf_dir(model, hf_dir)
-    optimizer = OptimizerSettings(lr=1e-6).build(model)       # relayrl.trainer.config
+    optimizer = OptimizerConfig(lr=1e-6).build(model)       # relayrl.trainer.config
 
 On a machine without CUDA everything runs on the CPU with gloo (`megatron_compat`); the same
 code runs megatron as written where CUDA is available.
@@ -40,7 +40,7 @@ from relayrl.trainer.hf_mapping import ModelSpec, export_hf_tensors, hf_to_mcore
 from relayrl.trainer.megatron_compat import install_cpu_compat
 
 if TYPE_CHECKING:
-    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.config import OptimizerConfig
     from relayrl.trainer.runtime import PolicyModel, PolicyOptimizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -341,16 +341,17 @@ def save_hf_dir(
     return written
 
 
-def build_optimizer(model: PolicyModel, settings: OptimizerSettings) -> PolicyOptimizer:
+def build_optimizer(model: PolicyModel, settings: OptimizerConfig) -> PolicyOptimizer:
     """megatron's optimizer (Adam with decoupled weight decay, fp32 main params, global
     gradient-norm clipping) over the DDP model; distributed (ZeRO-1) exactly when the model
     was built with `use_distributed_optimizer=True` (the model decides, not
     `settings.use_distributed_optimizer`, which is what the model is built from).
     `settings.build(model)` calls this."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
 
     config = unwrap_model(model).config
-    optimizer_config = OptimizerConfig(
+    optimizer_config = MegatronOptimizerConfig(
         optimizer="adam",
         lr=settings.lr,
         min_lr=settings.min_lr,

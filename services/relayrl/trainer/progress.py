@@ -44,7 +44,7 @@ EXIT_NO_PROGRESS = 3
 REASON_CHARS = 160
 
 
-class ProgressSettings(StrictModel):
+class ProgressConfig(StrictModel):
     """How a waiting step reports, and when a run that cannot progress ends."""
 
     report_interval_s: float = Field(
@@ -245,7 +245,7 @@ class ProgressWatch:
 
     def __init__(
         self,
-        settings: ProgressSettings,
+        settings: ProgressConfig,
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from relayrl.core.outage import Outage
 from relayrl.trainer.config import (
-    HfDirPublishSettings,
-    NoPublishSettings,
-    WeightSyncPublishSettings,
+    HfDirPublishConfig,
+    NoPublishConfig,
+    WeightSyncPublishConfig,
 )
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class WeightPublisher(ABC):
 
 
 class NoPublisher(WeightPublisher):
-    def __init__(self, settings: NoPublishSettings, hf_dir: Path, **_: Any) -> None:
+    def __init__(self, settings: NoPublishConfig, hf_dir: Path, **_: Any) -> None:
         pass
 
     def publish(
@@ -68,7 +68,7 @@ class HfDirPublisher(WeightPublisher):
     """`<dir>/v<version>`: a complete HF folder (config, weights, tokenizer); `save_hf_dir`
     writes it under a temporary name and renames it, so a reader never sees half a version."""
 
-    def __init__(self, settings: HfDirPublishSettings, hf_dir: Path, **_: Any) -> None:
+    def __init__(self, settings: HfDirPublishConfig, hf_dir: Path, **_: Any) -> None:
         self._settings = settings
         self._source = hf_dir
 
@@ -113,7 +113,7 @@ class WeightSyncPublisher(WeightPublisher):
     buckets."""
 
     def __init__(
-        self, settings: WeightSyncPublishSettings, hf_dir: Path, *, outage_timeout_s: float = 600
+        self, settings: WeightSyncPublishConfig, hf_dir: Path, *, outage_timeout_s: float = 600
     ) -> None:
         self._settings = settings
         self._outage_timeout_s = outage_timeout_s
@@ -263,7 +263,7 @@ PUBLISHERS: dict[str, type[WeightPublisher]] = {
 
 
 def build_publisher(
-    settings: NoPublishSettings | HfDirPublishSettings | WeightSyncPublishSettings,
+    settings: NoPublishConfig | HfDirPublishConfig | WeightSyncPublishConfig,
     hf_dir: Path,
     *,
     outage_timeout_s: float = 600.0,

@@ -2,8 +2,8 @@
 
 The model, optimizer and scheduler are megatron's: a `DistributedDataParallel` around a
 `GPTModel` (`relayrl.trainer.model.build_model`), a `MegatronOptimizer`
-(`OptimizerSettings.build`) and an `OptimizerParamScheduler`
-(`OptimizerSettings.build_scheduler`). The loop, the step, the publishers and the checkpoints
+(`OptimizerConfig.build`) and an `OptimizerParamScheduler`
+(`OptimizerConfig.build_scheduler`). The loop, the step, the publishers and the checkpoints
 reach them only through the protocols below, which name what they call; a test may hand in
 anything that has those members.
 

@@ -29,7 +29,7 @@ class SftDataError(ValueError):
 
 
 @dataclass(frozen=True)
-class SftSettings:
+class SftConfig:
     model: Path
     data: Path
     out: Path
@@ -58,7 +58,7 @@ class SftExample:
     mask: np.ndarray  # 1 on answer tokens (the positions whose log-prob is trained)
 
 
-def load_examples(settings: SftSettings, tokenizer, path: Path | None = None) -> list[SftExample]:
+def load_examples(settings: SftConfig, tokenizer, path: Path | None = None) -> list[SftExample]:
     """The examples of `path` (default: `settings.data`), tokenized as rollout renders them."""
     from relayrl.conversation.rendering import prompt_token_ids, turn_end_token_ids
     from relayrl.proto.common.v1 import common_pb2
@@ -142,11 +142,11 @@ def _nll_loss(mask_BT: torch.Tensor, num_tokens: float, sums: list[float]):
     return loss_fn
 
 
-def run_sft(settings: SftSettings) -> dict[str, float]:
+def run_sft(settings: SftConfig) -> dict[str, float]:
     """Trains and writes `settings.out`; returns the first and last epoch's mean loss."""
     from transformers import AutoTokenizer
 
-    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.config import OptimizerConfig
     from relayrl.trainer.forward import TokenBatch, forward_backward, optimizer_step
     from relayrl.trainer.hf_mapping import ModelSpec
     from relayrl.trainer.model import build_model, init_parallel, load_hf_dir, save_hf_dir
@@ -160,7 +160,7 @@ def run_sft(settings: SftSettings) -> dict[str, float]:
     spec = ModelSpec.from_hf_dir(settings.model)
     model = build_model(spec)
     load_hf_dir(model, settings.model)
-    optim = OptimizerSettings(
+    optim = OptimizerConfig(
         lr=settings.lr,
         min_lr=settings.min_lr,
         schedule=settings.schedule,

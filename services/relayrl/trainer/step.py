@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from relayrl.trainer.advantages import GroupRewards, group_advantages
 from relayrl.trainer.batch import Row, ScoredGroup, TensorBatch, collate
-from relayrl.trainer.config import AlgorithmSettings
+from relayrl.trainer.config import AlgorithmConfig
 from relayrl.trainer.forward import TokenBatch, forward_backward, forward_logprobs, optimizer_step
 from relayrl.trainer.losses import (
     aggregate,
@@ -97,7 +97,7 @@ class EmulatedUpdater:
         )
 
 
-def assign_advantages(groups: list[ScoredGroup], algorithm: AlgorithmSettings) -> None:
+def assign_advantages(groups: list[ScoredGroup], algorithm: AlgorithmConfig) -> None:
     inputs = [GroupRewards(g.uid, g.rewards, [not v for v in g.valid]) for g in groups]
     for group, result in zip(groups, group_advantages(inputs, algorithm.advantage), strict=True):
         for sample, advantage in zip(group.rows, result.advantages, strict=True):
@@ -111,7 +111,7 @@ class PolicyUpdater:
 
     def __init__(
         self,
-        algorithm: AlgorithmSettings,
+        algorithm: AlgorithmConfig,
         model: PolicyModel,
         optimizer: PolicyOptimizer,
         scheduler: LRScheduler,

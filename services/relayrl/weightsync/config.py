@@ -11,7 +11,7 @@ from relayrl.core.config import MIB, GrpcClientConfig, ServiceConfig, StrictMode
 from relayrl.inference.config import EngineHttpConfig
 
 
-class EnginesSettings(TokenSourceConfig):
+class WeightSyncEnginesConfig(TokenSourceConfig):
     """The engine replicas a version goes to, called with this section's token when the
     engines check their callers (relayrl.engine.guard)."""
 
@@ -54,7 +54,7 @@ class EnginesSettings(TokenSourceConfig):
     )
 
 
-class DataPlaneSettings(StrictModel):
+class DataPlaneConfig(StrictModel):
     """How buckets go from this service to the engines' workers (senders always push to the
     service over gRPC; the service keeps the version in host memory and fans it out)."""
 
@@ -129,8 +129,8 @@ class WeightSyncConfig(ServiceConfig):
         description="gRPC target at which engines reach this service to pull buckets; null: "
         "grpc.host and the bound port (fine on one machine; set the Service DNS name in a pod).",
     )
-    engines: EnginesSettings = Field(default_factory=EnginesSettings)
-    data_plane: DataPlaneSettings = Field(default_factory=DataPlaneSettings)
+    engines: WeightSyncEnginesConfig = Field(default_factory=WeightSyncEnginesConfig)
+    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     gateway: GrpcClientConfig | None = Field(
         None,
         description="The rollout-gateway: paused for the switch, resumed at the new version, "

@@ -72,7 +72,7 @@ def gathered_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def model_checks(rank: int, world_size: int, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     """TP = world size: HF load, logits, log-probs, grads, export, one step, save_hf_dir."""
-    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.config import OptimizerConfig
     from relayrl.trainer.forward import (
         TokenBatch,
         forward_backward,
@@ -116,7 +116,7 @@ def model_checks(rank: int, world_size: int, hf_dir: Path, out_dir: Path) -> dic
     out["grads_4mb"] = local_grads(model)
     out["export_before"] = dict(export_hf_tensors(model, spec))
 
-    optimizer = build_optimizer(model, OptimizerSettings(lr=1e-2, clip_grad=0.0))
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, clip_grad=0.0))
     out["step"] = optimizer_step(optimizer)
     out["logits_after"] = gathered_logits(model, batch.input_ids_BT)
     out["export_after"] = dict(export_hf_tensors(model, spec))
@@ -167,7 +167,7 @@ def checkpoint_checks(
     """Train a step, save, train on; then a fresh model + optimizer loads the checkpoint and
     must hold the saved weights, optimizer state and RNG, and take the identical next step."""
     from relayrl.trainer.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
-    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.config import OptimizerConfig
     from relayrl.trainer.forward import TokenBatch, forward_backward, optimizer_step
     from relayrl.trainer.model import (
         build_model,
@@ -181,7 +181,7 @@ def checkpoint_checks(
     spec = ModelSpec.from_hf_dir(hf_dir)
     batch = TokenBatch(*token_batch())
     loss_fn = nll_loss(batch, global_token_count())
-    settings = OptimizerSettings(lr=1e-2, weight_decay=0.1)
+    settings = OptimizerConfig(lr=1e-2, weight_decay=0.1)
 
     def train_step(model: Any, optimizer: Any) -> tuple[bool, float]:
         forward_backward(model, batch, micro_batch_size=4, temperature=1.0, loss_fn=loss_fn)
@@ -223,7 +223,7 @@ def checkpoint_checks(
 
 
 def _model_and_optimizer(hf_dir: Path) -> tuple[Any, Any]:
-    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.config import OptimizerConfig
     from relayrl.trainer.model import (
         build_model,
         build_optimizer,
@@ -234,7 +234,7 @@ def _model_and_optimizer(hf_dir: Path) -> tuple[Any, Any]:
     init_parallel(tensor_model_parallel_size=1, seed=0)
     model = build_model(ModelSpec.from_hf_dir(hf_dir))
     load_hf_dir(model, hf_dir)
-    return model, build_optimizer(model, OptimizerSettings(lr=1e-2))
+    return model, build_optimizer(model, OptimizerConfig(lr=1e-2))
 
 
 def _one_step(model: Any, optimizer: Any) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from relayrl.trainer.batch import Row, ScoredGroup
-from relayrl.trainer.config import AlgorithmSettings
+from relayrl.trainer.config import AlgorithmConfig
 from relayrl.trainer.model import spawn_ranks
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def make_groups(num_groups: int, seed: int = 0) -> list[ScoredGroup]:
 
 
 def build(model_dir: Path, tp: int, lr: float = 1e-3, adam_eps: float = 1e-8):
-    from relayrl.trainer.config import OptimizerSettings
+    from relayrl.trainer.config import OptimizerConfig
     from relayrl.trainer.hf_mapping import ModelSpec
     from relayrl.trainer.model import build_model, init_parallel, load_hf_dir
 
@@ -64,7 +64,7 @@ def build(model_dir: Path, tp: int, lr: float = 1e-3, adam_eps: float = 1e-8):
     spec = ModelSpec.from_hf_dir(model_dir)
     model = build_model(spec)
     load_hf_dir(model, model_dir)
-    optimizer = OptimizerSettings(lr=lr, eps=adam_eps, clip_grad=0.0).build(model)
+    optimizer = OptimizerConfig(lr=lr, eps=adam_eps, clip_grad=0.0).build(model)
     return spec, model, optimizer
 
 
@@ -106,7 +106,7 @@ def _lag0_rank(rank: int, world_size: int, model_dir: Path, path: str) -> dict[s
     from relayrl.trainer.step import PolicyUpdater
 
     spec, model, optimizer = build(model_dir, tp=1, lr=0.3, adam_eps=1.0)  # linear in g
-    algorithm = AlgorithmSettings.model_validate(
+    algorithm = AlgorithmConfig.model_validate(
         {
             "train_batch_groups": 2,
             "micro_batch_size": 2,
@@ -205,7 +205,7 @@ def _segments_rank(
     from relayrl.trainer.step import PolicyUpdater
 
     spec, model, optimizer = build(model_dir, tp=1, lr=0.3, adam_eps=1.0)  # linear in g
-    algorithm = AlgorithmSettings.model_validate({"train_batch_groups": 2, "micro_batch_size": 2})
+    algorithm = AlgorithmConfig.model_validate({"train_batch_groups": 2, "micro_batch_size": 2})
     groups = with_segments(make_groups(2, seed=3))
     set_on_policy(model, groups)
     if path == "relayrl":
@@ -242,7 +242,7 @@ def _pi_old_rank(rank: int, world_size: int, model_dir: Path) -> dict:
     from relayrl.trainer.step import PolicyUpdater, _mini_batches, _rows_per_group
 
     _, model, optimizer = build(model_dir, tp=1, lr=1e-2)
-    algorithm = AlgorithmSettings.model_validate(
+    algorithm = AlgorithmConfig.model_validate(
         {
             "mode": "separate_async",
             "train_batch_groups": 4,
@@ -283,7 +283,7 @@ def _layout_rank(rank: int, world_size: int, model_dir: Path, tp: int) -> dict[s
     # so the weights compare the gradients (with eps 1e-8 it would be sign(g), and entries with
     # |g| ~ 1e-8 would turn float noise into lr-sized differences).
     spec, model, optimizer = build(model_dir, tp=tp, lr=1.0, adam_eps=1.0)
-    algorithm = AlgorithmSettings.model_validate(
+    algorithm = AlgorithmConfig.model_validate(
         {
             "train_batch_groups": 3,
             "micro_batch_size": 2,
@@ -319,7 +319,7 @@ def _reference_rank(rank: int, world_size: int, model_dir: Path) -> list[float]:
     _, model, optimizer = build(model_dir, tp=1, lr=1e-2)
     ref_model = build_model(ModelSpec.from_hf_dir(model_dir))
     load_hf_dir(ref_model, model_dir)
-    algorithm = AlgorithmSettings.model_validate(
+    algorithm = AlgorithmConfig.model_validate(
         {"train_batch_groups": 2, "micro_batch_size": 4, "loss": {"kl_coef": 0.1}}
     )
     updater = PolicyUpdater(algorithm, model, optimizer, NoSchedule(), ref_model=ref_model)

@@ -13,9 +13,9 @@ from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
 from relayrl.tq.queue import TQUnavailableError
 from relayrl.tq.server import RedisServer
-from relayrl.trainer.curriculum import Curriculum, CurriculumSettings
+from relayrl.trainer.curriculum import Curriculum, CurriculumConfig
 from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, PromptFileError, load_prompts
-from relayrl.trainer.progress import NoProgress, ProgressSettings, ProgressWatch
+from relayrl.trainer.progress import NoProgress, ProgressConfig, ProgressWatch
 from relayrl.trainer.replay import ReplaySampler
 from relayrl_testkit.helpers.trainer import claim, put_group, scored_group
 
@@ -26,7 +26,7 @@ def keep_all(group) -> str:
 
 def watch(stall_s: float = 30.0) -> ProgressWatch:
     clock = iter(range(1_000_000))  # a fake clock: every reading is one second later
-    settings = ProgressSettings(stall_min_s=stall_s, report_interval_s=5)
+    settings = ProgressConfig(stall_min_s=stall_s, report_interval_s=5)
     return ProgressWatch(settings, clock=lambda: float(next(clock)))
 
 
@@ -155,7 +155,7 @@ def prompts_file(tmp_path: Path, n: int = 5) -> Path:
 def feeder(tq: TransferQueue, tmp_path: Path, **settings) -> PromptFeeder:
     template = GroupTemplate("train", "run1", 2, 16, 1.0, "")
     records = load_prompts(prompts_file(tmp_path))
-    curriculum = Curriculum(len(records), 7, CurriculumSettings(**settings))
+    curriculum = Curriculum(len(records), 7, CurriculumConfig(**settings))
     return PromptFeeder(tq, records, template, curriculum)
 
 

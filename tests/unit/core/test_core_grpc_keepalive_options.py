@@ -78,11 +78,11 @@ def test_trainer_gateway_link_applies_the_sections_keepalive(
 
 def test_trainer_publisher_applies_the_publish_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
     from relayrl.core import grpc_client
-    from relayrl.trainer.config import WeightSyncPublishSettings
+    from relayrl.trainer.config import WeightSyncPublishConfig
     from relayrl.trainer.publish import WeightSyncPublisher
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(grpc_client, "sync_channel", recording(seen))
-    settings = WeightSyncPublishSettings(type="weightsync", target="ws:1", keepalive=KEEPALIVE)
+    settings = WeightSyncPublishConfig(type="weightsync", target="ws:1", keepalive=KEEPALIVE)
     WeightSyncPublisher(settings, hf_dir=None)._connect().close()  # type: ignore[arg-type]
     assert_keepalive(seen["options"], KEEPALIVE)

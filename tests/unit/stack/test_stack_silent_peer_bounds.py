@@ -8,8 +8,8 @@ from relayrl.core.config import GrpcClientConfig, GrpcServerConfig
 from relayrl.gateway.config import GatewayConfig, KubernetesDiscoveryConfig
 from relayrl.reward.managers.judge import RemoteConfig
 from relayrl.tq import TQConfig
-from relayrl.trainer.config import WeightSyncPublishSettings
-from relayrl.trainer.progress import ProgressSettings
+from relayrl.trainer.config import WeightSyncPublishConfig
+from relayrl.trainer.progress import ProgressConfig
 from relayrl.transfer.transports.base import PEER_KEEPALIVE
 from relayrl.weightsync.config import WeightSyncConfig
 
@@ -28,7 +28,7 @@ def silent_peer_bounds() -> dict[str, float]:
         "grpc client keepalive": GrpcClientConfig(target="x:1").keepalive.silent_peer_s,
         "grpc client default_timeout_s": GrpcClientConfig(target="x:1").default_timeout_s,
         "grpc server keepalive": GrpcServerConfig().keepalive.silent_peer_s,
-        "trainer publish.keepalive": WeightSyncPublishSettings(
+        "trainer publish.keepalive": WeightSyncPublishConfig(
             type="weightsync", target="x:1"
         ).keepalive.silent_peer_s,
         "gateway engines.http.connect_timeout_s": gateway_engines.connect_timeout_s,
@@ -51,5 +51,5 @@ def test_every_default_silent_peer_bound_is_at_most_30_s() -> None:
 
 def test_a_fault_healed_within_the_bounds_trips_no_stop_rule() -> None:
     healed_s = max(silent_peer_bounds().values()) + RECOVERY_S
-    progress = ProgressSettings()
+    progress = ProgressConfig()
     assert healed_s < progress.infra_grace_s < progress.stall_min_s

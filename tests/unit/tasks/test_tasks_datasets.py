@@ -136,7 +136,7 @@ def test_an_empty_split_is_refused(tmp_path: Path) -> None:
 def test_the_trainer_feeds_exactly_the_training_split(tmp_path: Path) -> None:
     """A trainer given the dataset (as the chart configures it) feeds the rows `relayrl up`
     trains on and none it holds out."""
-    from relayrl.trainer.config import PromptDataSettings
+    from relayrl.trainer.config import PromptDataConfig
     from relayrl.trainer.feeder import PromptFileError, load_dataset_prompts
 
     rows = [
@@ -154,6 +154,6 @@ def test_the_trainer_feeds_exactly_the_training_split(tmp_path: Path) -> None:
     with pytest.raises(PromptFileError, match=r"missing\.jsonl: no such file"):
         load_dataset_prompts([tmp_path / "missing.jsonl"], [], 0.2)
     with pytest.raises(ValueError, match="prompts_file or train_files, not both"):
-        PromptDataSettings(prompts_file=path, train_files=[path])
+        PromptDataConfig(prompts_file=path, train_files=[path])
     with pytest.raises(ValueError, match="heldout_files needs train_files"):
-        PromptDataSettings(heldout_files=[path])
+        PromptDataConfig(heldout_files=[path])

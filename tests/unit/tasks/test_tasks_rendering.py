@@ -20,7 +20,7 @@ from relayrl.inference.client import Generation, SamplingOptions, VersionSpan
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tasks import TASKS, Task, score, tools_system_prompt, write_jsonl
 from relayrl.trainer.feeder import PromptRecord, load_prompts
-from relayrl.trainer.sft import SftSettings, load_examples
+from relayrl.trainer.sft import SftConfig, load_examples
 
 TASK_NAMES = sorted(TASKS)
 PLAIN_CHARACTERS = set(string.printable) - set("\t\r\x0b\x0c")
@@ -119,8 +119,8 @@ def test_sft_examples_are_the_rollout_turns_the_rule_rewards(
     write_jsonl([task.prompt_record(q) for q in questions], tmp_path / "prompts.jsonl")
     write_jsonl(task.sft_examples(num_questions, seed=0), tmp_path / "sft.jsonl")
     # lookup's prompts carry the gateway's tool block (~570 tokens with the default tools), more
-    # than SftSettings' default max_seq_len of 512.
-    settings = SftSettings(
+    # than SftConfig' default max_seq_len of 512.
+    settings = SftConfig(
         model=model_dir, data=tmp_path / "sft.jsonl", out=tmp_path / "out", max_seq_len=1024
     )
     examples = load_examples(settings, tokenizer)

@@ -8,19 +8,19 @@ import pytest
 from pydantic import ValidationError
 
 from relayrl.trainer.advantages import (
-    AdvantageSettings,
+    AdvantageConfig,
     GroupRewards,
     dapo_filter,
     group_advantages,
     has_signal,
 )
 
-GRPO = AdvantageSettings()
-GRPO_NO_STD = AdvantageSettings(normalize_std=False)
-RLOO = AdvantageSettings(estimator="rloo")
+GRPO = AdvantageConfig()
+GRPO_NO_STD = AdvantageConfig(normalize_std=False)
+RLOO = AdvantageConfig(estimator="rloo")
 
 
-def advantages_of(group: GroupRewards, settings: AdvantageSettings) -> tuple[float, ...]:
+def advantages_of(group: GroupRewards, settings: AdvantageConfig) -> tuple[float, ...]:
     (result,) = group_advantages([group], settings)
     assert result.uid == group.uid
     return result.advantages
@@ -60,7 +60,7 @@ def test_infra_members_are_out_of_the_baseline_and_not_trained() -> None:
 
 
 @pytest.mark.parametrize("settings", [GRPO, GRPO_NO_STD, RLOO])
-def test_groups_without_comparison_get_exact_zeros(settings: AdvantageSettings) -> None:
+def test_groups_without_comparison_get_exact_zeros(settings: AdvantageConfig) -> None:
     # 0.1 * 3 has float mean 0.10000000000000002: a naive std is ~1e-17, and ~1e-11 after
     # dividing by (std + eps); equal rewards must give exactly 0
     assert advantages_of(GroupRewards("equal", [0.1, 0.1, 0.1]), settings) == (0.0, 0.0, 0.0)
@@ -102,13 +102,13 @@ def test_dapo_filter_of_nothing() -> None:
 
 def test_bad_settings_fail_with_the_field_named() -> None:
     with pytest.raises(ValidationError, match="estimator"):
-        AdvantageSettings(estimator="ppo")
+        AdvantageConfig(estimator="ppo")
     with pytest.raises(ValidationError, match="eps"):
-        AdvantageSettings(eps=0.0)
+        AdvantageConfig(eps=0.0)
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
-        AdvantageSettings.model_validate({"normalise_std": False})
+        AdvantageConfig.model_validate({"normalise_std": False})
 
 
 def test_options_rloo_ignores_are_warned_about() -> None:
     with pytest.warns(UserWarning, match="normalize_std ignored"):
-        AdvantageSettings(estimator="rloo", normalize_std=False)
+        AdvantageConfig(estimator="rloo", normalize_std=False)

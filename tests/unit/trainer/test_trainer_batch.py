@@ -89,7 +89,7 @@ def test_mini_batches_never_split_a_group() -> None:
 
 def test_a_trajectorys_segments_are_rows_of_the_same_sample() -> None:
     from relayrl.trainer.batch import ScoredGroup
-    from relayrl.trainer.config import AlgorithmSettings
+    from relayrl.trainer.config import AlgorithmConfig
     from relayrl.trainer.step import assign_advantages
 
     def sample(index: int, reward: float, segments: int) -> common_pb2.Trajectory:
@@ -116,7 +116,7 @@ def test_a_trajectorys_segments_are_rows_of_the_same_sample() -> None:
     group = ScoredGroup("g", 3, rows)
     assert group.rewards == [1.0, 0.0]  # the group counts samples, not segments
     assert len(group.train_rows()) == 4
-    assign_advantages([group], AlgorithmSettings())
+    assign_advantages([group], AlgorithmConfig())
     assert {r.advantage for r in first.sample_rows()} == {first.advantage} and first.advantage > 0
     # a failed sample's segments are context only, like the sample
     failed = stored(infra=True)

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from relayrl.trainer.curriculum import Curriculum, CurriculumSettings, Issue, RetrySettings
+from relayrl.trainer.curriculum import Curriculum, CurriculumConfig, Issue, RetryConfig
 
 SIGNAL = [1.0, 0.0, 1.0, 0.0]
 ALL_WRONG = [0.0, 0.0, 0.0, 0.0]
@@ -18,7 +18,7 @@ ALL_RIGHT = [1.0, 1.0, 1.0, 1.0]
 
 
 def curriculum(n: int = 10, seed: int = 3, budget: int = 3, **settings) -> Curriculum:
-    return Curriculum(n, seed, CurriculumSettings(**settings), RetrySettings(budget=budget))
+    return Curriculum(n, seed, CurriculumConfig(**settings), RetryConfig(budget=budget))
 
 
 class Feed:

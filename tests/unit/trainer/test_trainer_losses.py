@@ -10,9 +10,9 @@ from pydantic import ValidationError
 
 from relayrl.core.config import ConfigError, load_config
 from relayrl.trainer.losses import (
-    ClipSettings,
-    ISSettings,
-    LossSettings,
+    ClipConfig,
+    ISConfig,
+    LossConfig,
     RejectionRule,
     aggregate,
     is_weights,
@@ -40,7 +40,7 @@ def close(actual: torch.Tensor, expected: list[list[float]] | list[float]) -> No
 
 
 def test_defaults_are_valid() -> None:
-    settings = LossSettings()
+    settings = LossConfig()
     assert (settings.clip.eps_low, settings.clip.eps_high) == (0.2, 0.28)
     assert settings.importance_sampling.kind == "none"
     assert settings.rejection == []
@@ -49,23 +49,23 @@ def test_defaults_are_valid() -> None:
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: ClipSettings(eps_low=-0.1), "eps_low"),
-        (lambda: ClipSettings(eps_low=1.0), "eps_low"),
-        (lambda: ClipSettings(dual_clip_c=1.1), r"dual_clip_c \(1.1\) must be .* 1 \+ eps_high"),
-        (lambda: ISSettings(kind="is"), "kind"),
-        (lambda: ISSettings(kind="icepop", alpha=6.0, beta=5.0), "icepop interval is empty"),
-        (lambda: ISSettings(kind="icepop", alpha=1.5, beta=5.0), "must contain 1"),
-        (lambda: ISSettings(kind="tis", cap=0.5), "cap"),
-        (lambda: ISSettings(log_ratio_clamp=100.0), "log_ratio_clamp"),
+        (lambda: ClipConfig(eps_low=-0.1), "eps_low"),
+        (lambda: ClipConfig(eps_low=1.0), "eps_low"),
+        (lambda: ClipConfig(dual_clip_c=1.1), r"dual_clip_c \(1.1\) must be .* 1 \+ eps_high"),
+        (lambda: ISConfig(kind="is"), "kind"),
+        (lambda: ISConfig(kind="icepop", alpha=6.0, beta=5.0), "icepop interval is empty"),
+        (lambda: ISConfig(kind="icepop", alpha=1.5, beta=5.0), "must contain 1"),
+        (lambda: ISConfig(kind="tis", cap=0.5), "cap"),
+        (lambda: ISConfig(log_ratio_clamp=100.0), "log_ratio_clamp"),
         (lambda: RejectionRule(metric="k1", level="sequence", high=1.0), "needs reduce"),
         (lambda: RejectionRule(metric="k1", level="token", reduce="sum", high=1.0), "only applies"),
         (lambda: RejectionRule(metric="k4", level="token", high=1.0), "metric"),
         (lambda: RejectionRule(metric="k3", level="token"), "needs low, high or both"),
         (lambda: RejectionRule(metric="k1", level="token", low=1.0, high=0.0), "nothing is kept"),
         (lambda: RejectionRule(metric="k1", level="token", high=math.inf), "high"),
-        (lambda: LossSettings(aggregation="mean"), "aggregation"),
-        (lambda: LossSettings(kl_coef=-1.0), "kl_coef"),
-        (lambda: LossSettings.model_validate({"clip": {"eps_hi": 0.3}}), "Extra inputs"),
+        (lambda: LossConfig(aggregation="mean"), "aggregation"),
+        (lambda: LossConfig(kl_coef=-1.0), "kl_coef"),
+        (lambda: LossConfig.model_validate({"clip": {"eps_hi": 0.3}}), "Extra inputs"),
     ],
 )
 def test_bad_settings_raise_validation_errors(build, message: str) -> None:
@@ -80,18 +80,18 @@ def test_a_bad_loss_section_is_one_config_error_line() -> None:
         "T__IMPORTANCE_SAMPLING__BETA": "2",
     }
     with pytest.raises(ConfigError) as error:
-        load_config(LossSettings, None, "T", environ)
+        load_config(LossConfig, None, "T", environ)
     assert "\n" not in str(error.value)
     assert "importance_sampling: icepop interval is empty: alpha (3.0)" in str(error.value)
 
 
 def test_options_the_mode_ignores_are_warned_about() -> None:
     with pytest.warns(UserWarning, match="alpha ignored"):
-        ISSettings(kind="tis", alpha=0.3)
+        ISConfig(kind="tis", alpha=0.3)
     with pytest.warns(UserWarning, match="cap ignored"):
-        ISSettings(kind="icepop", cap=3.0)
+        ISConfig(kind="icepop", cap=3.0)
     with pytest.warns(UserWarning, match="kl_estimator ignored: kl_coef is 0"):
-        LossSettings(kl_estimator="k1")
+        LossConfig(kl_estimator="k1")
 
 
 def test_rule_labels() -> None:
@@ -109,7 +109,7 @@ def test_tis_caps_token_weights() -> None:
     old = t([[math.log(3.0), math.log(0.5), 0.0, NAN]])
     rollout = torch.zeros_like(old)
     mask = t([[1, 1, 1, 0]])
-    w, metrics = is_weights(old, rollout, mask, ISSettings(kind="tis", cap=2.0))
+    w, metrics = is_weights(old, rollout, mask, ISConfig(kind="tis", cap=2.0))
     # raw 3, 0.5, 1 -> min(., 2) = 2, 0.5, 1
     close(w, [[2.0, 0.5, 1.0, 0.0]])
     assert metrics["is_frac_capped"] == pytest.approx(1 / 3)
@@ -126,7 +126,7 @@ def test_icepop_zeroes_weights_outside_the_interval() -> None:
     # raw weights 3, 0.4, 0.5, 2 with [alpha, beta] = [0.5, 2]: the ends are kept
     old = t([[math.log(3.0), math.log(0.4), math.log(0.5), LN2]])
     w, metrics = is_weights(
-        old, torch.zeros_like(old), torch.ones_like(old), ISSettings(kind="icepop", beta=2.0)
+        old, torch.zeros_like(old), torch.ones_like(old), ISConfig(kind="icepop", beta=2.0)
     )
     close(w, [[0.0, 0.0, 0.5, 2.0]])
     assert metrics["is_frac_zeroed"] == pytest.approx(0.5)
@@ -136,7 +136,7 @@ def test_icepop_zeroes_weights_outside_the_interval() -> None:
 
 def test_the_fraction_over_the_cap_is_measured_without_correction() -> None:
     old = t([[math.log(3.0), math.log(0.5), 0.0, math.log(2.5)]])
-    _, metrics = is_weights(old, torch.zeros_like(old), torch.ones_like(old), ISSettings())
+    _, metrics = is_weights(old, torch.zeros_like(old), torch.ones_like(old), ISConfig())
     assert metrics["is_raw_frac_over_cap"] == pytest.approx(0.5)
     assert metrics["is_frac_capped"] == 0.0  # kind none caps nothing
 
@@ -147,7 +147,7 @@ def test_sequence_level_weight_is_exp_of_the_clamped_sum() -> None:
     old = t([[0.1, 0.2, 99.0], [-0.5, 0.1, -0.2]])
     mask = t([[1, 1, 0], [1, 1, 1]])
     w, metrics = is_weights(
-        old, torch.zeros_like(old), mask, ISSettings(level="sequence", kind="tis")
+        old, torch.zeros_like(old), mask, ISConfig(level="sequence", kind="tis")
     )
     a, b = math.exp(0.3), math.exp(-0.6)
     close(w, [[a, a, 0.0], [b, b, b]])
@@ -158,14 +158,14 @@ def test_sequence_level_weight_is_exp_of_the_clamped_sum() -> None:
 def test_the_safety_clamp_keeps_weights_finite_and_nonzero() -> None:
     # sequence log ratio sum of ±1000: exp would be inf / 0; clamped to ±20
     old = t([[500.0, 500.0], [-500.0, -500.0]])
-    settings = ISSettings(level="sequence", kind="tis", cap=1e6)
+    settings = ISConfig(level="sequence", kind="tis", cap=1e6)
     w, metrics = is_weights(old, torch.zeros_like(old), torch.ones_like(old), settings)
     close(w, [[1e6, 1e6], [math.exp(-20.0), math.exp(-20.0)]])
     assert metrics["is_frac_clamped"] == 1.0
     assert metrics["is_frac_capped"] == 0.5
     # token level, clamp 5: log r = 7 -> e^5
     w, _ = is_weights(
-        t([[7.0]]), t([[0.0]]), t([[1.0]]), ISSettings(kind="tis", cap=1e6, log_ratio_clamp=5.0)
+        t([[7.0]]), t([[0.0]]), t([[1.0]]), ISConfig(kind="tis", cap=1e6, log_ratio_clamp=5.0)
     )
     close(w, [[math.exp(5.0)]])
 
@@ -174,7 +174,7 @@ def test_batch_normalisation_makes_the_mean_weight_one() -> None:
     # weights 2, 0.5, 1 (tis as above) have mean 7/6 -> 12/7, 3/7, 6/7
     old = t([[math.log(3.0), math.log(0.5), 0.0, 0.0]])
     mask = t([[1, 1, 1, 0]])
-    settings = ISSettings(kind="tis", batch_normalize=True)
+    settings = ISConfig(kind="tis", batch_normalize=True)
     w, metrics = is_weights(old, torch.zeros_like(old), mask, settings)
     close(w, [[12 / 7, 3 / 7, 6 / 7, 0.0]])
     assert metrics["is_mean"] == pytest.approx(7 / 6)  # reported before normalising
@@ -182,7 +182,7 @@ def test_batch_normalisation_makes_the_mean_weight_one() -> None:
 
 def test_kind_none_gives_ones_but_measures_the_raw_weights() -> None:
     old = t([[math.log(3.0), 0.0]])
-    w, metrics = is_weights(old, torch.zeros_like(old), t([[1, 1]]), ISSettings())
+    w, metrics = is_weights(old, torch.zeros_like(old), t([[1, 1]]), ISConfig())
     close(w, [[1.0, 1.0]])
     assert metrics["is_ess"] == 1.0
     assert metrics["is_raw_ess"] == pytest.approx(16 / (2 * 10))  # (3 + 1)² / (2 (9 + 1))
@@ -192,9 +192,9 @@ def test_weights_are_detached() -> None:
     old = t([[0.3, -0.2]], requires_grad=True)
     rollout = t([[0.1, 0.1]], requires_grad=True)
     logp = t([[0.25, -0.1]], requires_grad=True)
-    w, _ = is_weights(old, rollout, t([[1, 1]]), ISSettings(kind="tis"))
+    w, _ = is_weights(old, rollout, t([[1, 1]]), ISConfig(kind="tis"))
     assert not w.requires_grad
-    loss, _ = ppo_loss_terms(logp, old, t([1.0]), w, t([[1, 1]]), ClipSettings())
+    loss, _ = ppo_loss_terms(logp, old, t([1.0]), w, t([[1, 1]]), ClipConfig())
     loss.sum().backward()
     assert logp.grad is not None
     assert old.grad is None and rollout.grad is None
@@ -279,7 +279,7 @@ def test_asymmetric_clipping_on_both_sides() -> None:
     adv = [1.0, -1.0, 1.0, -1.0, 2.0]
     logp = t([[math.log(r) for r in rho]], requires_grad=True)
     loss, metrics = ppo_loss_terms(
-        logp, torch.zeros_like(logp), t([adv]), None, torch.ones_like(logp), ClipSettings()
+        logp, torch.zeros_like(logp), t([adv]), None, torch.ones_like(logp), ClipConfig()
     )
     # max(-A rho, -A clip(rho)):
     # t0: max(-1.5, -1.28) = -1.28 (clipped above, A > 0)   gradient 0
@@ -305,7 +305,7 @@ def test_weights_scale_the_loss_and_sequence_advantages_broadcast() -> None:
     # rho = 1 everywhere: L = -w A; A per sequence: +2, -1
     logp = torch.zeros(2, 2, dtype=torch.float64)
     w = t([[1.0, 0.5], [2.0, 0.0]])
-    loss, _ = ppo_loss_terms(logp, logp, t([2.0, -1.0]), w, t([[1, 1], [1, 0]]), ClipSettings())
+    loss, _ = ppo_loss_terms(logp, logp, t([2.0, -1.0]), w, t([[1, 1], [1, 0]]), ClipConfig())
     close(loss, [[-2.0, -1.0], [2.0, 0.0]])
 
 
@@ -319,7 +319,7 @@ def test_dual_clip_caps_the_loss_of_negative_advantages() -> None:
         t([[-1.0, -1.0, 1.0]]),
         None,
         torch.ones_like(logp),
-        ClipSettings(dual_clip_c=3.0),
+        ClipConfig(dual_clip_c=3.0),
     )
     close(loss, [[3.0, 2.0, -1.28]])
     loss.sum().backward()
@@ -332,7 +332,7 @@ def test_garbage_at_padding_reaches_neither_loss_nor_gradient() -> None:
     logp = t([[0.1, NAN], [math.inf, -math.inf]], requires_grad=True)
     old = t([[0.0, math.inf], [NAN, 0.0]])
     mask = t([[1, 0], [0, 0]])
-    loss, _ = ppo_loss_terms(logp, old, t([[1.0, NAN], [NAN, NAN]]), None, mask, ClipSettings())
+    loss, _ = ppo_loss_terms(logp, old, t([[1.0, NAN], [NAN, NAN]]), None, mask, ClipConfig())
     total = aggregate(loss, mask, "token-mean", loss_denominator(mask, "token-mean"))
     total.backward()
     assert logp.grad is not None
@@ -344,7 +344,7 @@ def test_shapes_are_checked() -> None:
     with pytest.raises(
         ValueError, match=r"old_logp_BT has shape \(2, 3\) but mask_BT has \(2, 2\)"
     ):
-        is_weights(torch.zeros(2, 3), torch.zeros(2, 2), torch.ones(2, 2), ISSettings())
+        is_weights(torch.zeros(2, 3), torch.zeros(2, 2), torch.ones(2, 2), ISConfig())
 
 
 # --- reference KL ----------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def test_k3_penalty_is_finite_for_an_extreme_token() -> None:
 def test_policy_token_loss_adds_the_weighted_penalty() -> None:
     logp = t([[math.log(0.5)]])
     ref = t([[math.log(0.25)]])
-    settings = LossSettings(kl_coef=0.1, kl_estimator="k1")
+    settings = LossConfig(kl_coef=0.1, kl_estimator="k1")
     # rho = 1, A = 1: pg = -1; k1 = ln 2; total = -1 + 0.1 ln 2
     loss, metrics = policy_token_loss(logp, logp, t([1.0]), t([[1]]), settings, ref_logp_BT=ref)
     close(loss, [[-1.0 + 0.1 * LN2]])
@@ -433,9 +433,9 @@ def _step_loss(splits: list[list[tuple[int, int]]], mode: str) -> tuple[float, t
     (row ranges); the rank gradients are summed as an all-reduce SUM would."""
     logp_full, old, rollout, adv, mask = _invariance_batch()
     logp = logp_full.clone().requires_grad_(True)
-    settings = LossSettings(
+    settings = LossConfig(
         aggregation=mode,
-        importance_sampling=ISSettings(kind="tis", cap=1.5),
+        importance_sampling=ISConfig(kind="tis", cap=1.5),
     )
     # every rank knows every micro-batch's share (in the trainer: a sum, then an all-reduce)
     denominator = sum(loss_denominator(mask[a:b], mode) for rank in splits for a, b in rank)
@@ -473,7 +473,7 @@ def test_a_per_micro_batch_mean_depends_on_the_split() -> None:
     token count and the results are averaged, so a token in a short micro-batch weighs more
     than one in a long one."""
     logp, old, _, adv, mask = _invariance_batch()
-    settings = LossSettings()
+    settings = LossConfig()
     quarters = [(0, 2), (2, 4), (4, 6), (6, 8)]
 
     def contributions(ranges: list[tuple[int, int]], denominators: list[float]) -> list[float]:

@@ -12,9 +12,9 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq.model import GroupWithTrajectories
 from relayrl.trainer.progress import (
     NoProgress,
+    ProgressConfig,
     ProgressLog,
     ProgressRecord,
-    ProgressSettings,
     ProgressWatch,
     failure_reason,
 )
@@ -31,7 +31,7 @@ class Clock:
 
 def watch(clock: Clock, tmp_path: Path | None = None, **settings) -> ProgressWatch:
     log = {"log": tmp_path / "progress.jsonl"} if tmp_path else {}
-    return ProgressWatch(ProgressSettings(**settings, **log), clock=clock, wall_clock=clock)
+    return ProgressWatch(ProgressConfig(**settings, **log), clock=clock, wall_clock=clock)
 
 
 def test_a_waiting_step_reports_what_it_has_every_interval(tmp_path: Path) -> None:

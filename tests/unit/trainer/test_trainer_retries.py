@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.trainer.curriculum import Curriculum, CurriculumSettings, RetrySettings
+from relayrl.trainer.curriculum import Curriculum, CurriculumConfig, RetryConfig
 from relayrl.trainer.feeder import GroupTemplate, PromptFeeder, PromptRecord
 from relayrl.trainer.loop import Leader
-from relayrl.trainer.progress import NoProgress, ProgressSettings, ProgressWatch
+from relayrl.trainer.progress import NoProgress, ProgressConfig, ProgressWatch
 from relayrl.trainer.replay import Sample
 from relayrl_testkit.helpers.trainer import judged_group
 
@@ -50,8 +50,8 @@ def leader(
     curriculum = Curriculum(
         len(records),
         0,
-        CurriculumSettings(replay_share=0.0),
-        RetrySettings(budget=budget, on_exhausted=on_exhausted),
+        CurriculumConfig(replay_share=0.0),
+        RetryConfig(budget=budget, on_exhausted=on_exhausted),
     )
     template = GroupTemplate("train", "run", 2, 16, 1.0, "")
     queue = queue or PutRecorder()
@@ -67,7 +67,7 @@ def leader(
         None,  # type: ignore[arg-type]
         feeder=feeder,
         sampler=None,  # type: ignore[arg-type]
-        watch=ProgressWatch(ProgressSettings()),
+        watch=ProgressWatch(ProgressConfig()),
         gateway=None,
     )
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from relayrl.trainer import runtime
-from relayrl.trainer.config import OptimizerSettings, TrainerConfig
+from relayrl.trainer.config import OptimizerConfig, TrainerConfig
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_the_config_builds_what_it_names() -> None:
     assert isinstance(hf.build_publisher(), HfDirPublisher)
 
 
-def _lrs(settings: OptimizerSettings, num_updates: int) -> list[float]:
+def _lrs(settings: OptimizerConfig, num_updates: int) -> list[float]:
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = settings.build_scheduler(optimizer, num_updates=num_updates)
     lrs = [optimizer.param_groups[0]["lr"]]
@@ -50,12 +50,12 @@ def _lrs(settings: OptimizerSettings, num_updates: int) -> list[float]:
 
 
 def test_the_schedule_is_the_one_the_settings_describe() -> None:
-    assert _lrs(OptimizerSettings(lr=1e-3), 4) == pytest.approx([1e-3] * 5)
-    warm = _lrs(OptimizerSettings(lr=1e-3, min_lr=1e-4, schedule="linear", warmup_updates=2), 6)
+    assert _lrs(OptimizerConfig(lr=1e-3), 4) == pytest.approx([1e-3] * 5)
+    warm = _lrs(OptimizerConfig(lr=1e-3, min_lr=1e-4, schedule="linear", warmup_updates=2), 6)
     assert warm[0] == 0.0 and warm[2] == pytest.approx(1e-3)
     assert warm[-1] == pytest.approx(1e-4)
     assert all(a >= b for a, b in itertools.pairwise(warm[2:]))
-    assert _lrs(OptimizerSettings(lr=1e-3), 0) == pytest.approx([1e-3])  # a run of 0 steps
+    assert _lrs(OptimizerConfig(lr=1e-3), 0) == pytest.approx([1e-3])  # a run of 0 steps
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # megatron: Apex / Transformer Engine absent

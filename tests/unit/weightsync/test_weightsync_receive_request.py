@@ -16,7 +16,7 @@ from relayrl.core.config import TlsClientConfig
 from relayrl.transfer.data_planes import DATA_PLANES
 from relayrl.transfer.request import ReceiveRequest
 from relayrl.transfer.transports.base import TRANSPORTS, TransportSpec
-from relayrl.weightsync.config import DataPlaneSettings
+from relayrl.weightsync.config import DataPlaneConfig
 
 SPEC = TransportSpec(
     type="torch_distributed",
@@ -109,7 +109,7 @@ def test_a_request_a_worker_cannot_use_is_refused_naming_the_field(
 
 
 def test_every_configurable_data_plane_is_an_entry_of_the_one_table() -> None:
-    configurable = set(DataPlaneSettings.model_fields["transport"].annotation.__args__)
+    configurable = set(DataPlaneConfig.model_fields["transport"].annotation.__args__)
     assert set(DATA_PLANES) == configurable == {"grpc", "shm", *TRANSPORTS}
     assert not DATA_PLANES["grpc"].broadcast and not DATA_PLANES["shm"].broadcast
     assert all(DATA_PLANES[name].broadcast for name in TRANSPORTS)
