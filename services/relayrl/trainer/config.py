@@ -367,7 +367,7 @@ class WeightSyncPublishConfig(ClientCredentialsConfig):
     )
 
 
-PublishSettings = Annotated[
+PublishConfig = Annotated[
     NoPublishConfig | HfDirPublishConfig | WeightSyncPublishConfig,
     Field(discriminator="type"),
 ]
@@ -387,7 +387,7 @@ class TrainerConfig(ServiceConfig):
         description="Reports of a waiting step and the stop rules of a run that cannot "
         "progress (docs/progress.md).",
     )
-    publish: PublishSettings = Field(default_factory=NoPublishConfig)
+    publish: PublishConfig = Field(default_factory=NoPublishConfig)
     gateway: GrpcClientConfig | None = Field(
         None,
         description="The rollout-gateway: told the policy step after every published "

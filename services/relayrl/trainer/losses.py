@@ -220,7 +220,7 @@ class RejectionRule(StrictModel):
 
 
 # Rules are AND-ed: a token is trained on only if every rule keeps it.
-RejectionSettings = list[RejectionRule]
+RejectionRules = list[RejectionRule]
 
 
 class LossConfig(StrictModel):
@@ -236,7 +236,7 @@ class LossConfig(StrictModel):
     importance_sampling: ISConfig = Field(
         default_factory=ISConfig, description="Behaviour-policy weights w = π_old/μ."
     )
-    rejection: RejectionSettings = Field(
+    rejection: RejectionRules = Field(
         default_factory=list,
         description="Rejection rules on the π_old/μ mismatch, AND-ed; rejected tokens leave the "
         "response mask. Empty: none.",
