@@ -42,7 +42,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from relayrl.core.config import StrictModel
-from relayrl.trainer.losses import warn_ignored_options
+from relayrl.trainer.loss_config import warn_ignored_options
 
 
 class AdvantageConfig(StrictModel):

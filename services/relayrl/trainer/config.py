@@ -24,7 +24,7 @@ from relayrl.core.config import (
 from relayrl.tq.config import TQConfig
 from relayrl.trainer.advantages import AdvantageConfig
 from relayrl.trainer.curriculum import CurriculumConfig, RetryConfig
-from relayrl.trainer.losses import LossConfig
+from relayrl.trainer.loss_config import LossConfig
 from relayrl.trainer.progress import ProgressConfig
 
 if TYPE_CHECKING:  # the builders import their components when called, not the config

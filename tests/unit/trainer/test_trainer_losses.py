@@ -9,11 +9,8 @@ import torch
 from pydantic import ValidationError
 
 from relayrl.core.config import ConfigError, load_config
+from relayrl.trainer.loss_config import ClipConfig, ISConfig, LossConfig, RejectionRule
 from relayrl.trainer.losses import (
-    ClipConfig,
-    ISConfig,
-    LossConfig,
-    RejectionRule,
     aggregate,
     is_weights,
     kl_penalty,
