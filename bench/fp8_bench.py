@@ -59,7 +59,7 @@ def engine_weights(
     weights: dict[str, torch.Tensor], quantization: str, quantize_embeddings: bool
 ) -> dict[str, torch.Tensor]:
     """What an engine loads for this export: FP8 tensors dequantised with their scales."""
-    from relayrl.transfer.quant import dequantize_fp8
+    from relayrl.dataplane.quant import dequantize_fp8
     from relayrl.weightsync.sender import export_tensors
 
     out, metas = export_tensors(

@@ -49,7 +49,7 @@ def main() -> int:
     args = parser.parse_args()
     total = int(args.gib * 2**30)
 
-    from relayrl.transfer.transports.measure import measure_transport_gbps
+    from relayrl.dataplane.transports.measure import measure_transport_gbps
 
     if args.device == "cuda":
         if not torch.cuda.is_available():

@@ -109,10 +109,10 @@ def _grpc_receiver(target: str, transport: str, inbox: Any, out: Any) -> None:
     import grpc  # noqa: F401 - imported once per engine process, not per version
 
     from relayrl.core import grpc_client  # noqa: F401
+    from relayrl.dataplane import quant  # noqa: F401
+    from relayrl.dataplane.receiver import receive_tensors
+    from relayrl.dataplane.transports.measure import PeakRssWindow
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc  # noqa: F401
-    from relayrl.transfer import quant  # noqa: F401
-    from relayrl.transfer.receiver import receive_tensors
-    from relayrl.transfer.transports.measure import PeakRssWindow
 
     transfer_id, digest = inbox.recv()  # started early: imports are not on the clock
     window = PeakRssWindow()
@@ -146,9 +146,9 @@ def bench_grpc(
     import grpc
 
     from relayrl.core.service_process import ServiceProcess
+    from relayrl.dataplane.plan import layouts_from_plan, plan_digest
     from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
-    from relayrl.transfer.plan import layouts_from_plan, plan_digest
 
     ctx = multiprocessing.get_context("spawn")
     config = {
@@ -218,7 +218,7 @@ def bench_grpc(
 
 
 def bench_raw(kind: str, num_senders: int, total: int, bucket_bytes: int) -> dict[str, Any]:
-    from relayrl.transfer.transports.measure import measure_transport_gbps
+    from relayrl.dataplane.transports.measure import measure_transport_gbps
 
     return _raw_row(measure_transport_gbps(kind, num_senders, 2, total, bucket_bytes))
 
@@ -238,7 +238,7 @@ def bench_mooncake(num_senders: int, total: int, bucket_bytes: int) -> dict[str,
         return "unshare not available"
     code = (
         "import json\n"
-        "from relayrl.transfer.transports.measure import measure_transport_gbps\n"
+        "from relayrl.dataplane.transports.measure import measure_transport_gbps\n"
         f"print(json.dumps(measure_transport_gbps('mooncake', {num_senders}, 2, {total}, "
         f"{bucket_bytes})))\n"
     )
@@ -273,7 +273,7 @@ def tcp_baselines(
 ) -> dict[tuple[int, int, bool], list[dict[str, float]]]:
     """`measure_tcp` of every TCP_BASELINES entry, `repeats` times, interleaved so that drift
     in the machine's other load hits every baseline alike."""
-    from relayrl.transfer.transports.measure import measure_tcp
+    from relayrl.dataplane.transports.measure import measure_tcp
 
     runs: dict[tuple[int, int, bool], list[dict[str, float]]] = {b: [] for b in TCP_BASELINES}
     for _ in range(repeats):

@@ -23,7 +23,7 @@ flight splits its `weight_versions` at the token position proportional to the pa
 duration already run.
 
 Weight sync. `relayrl_receive` really receives the version as a worker does
-(`relayrl.transfer.receiver`: the plan from the weight-sync service, its digest, every
+(`relayrl.dataplane.receiver`: the plan from the weight-sync service, its digest, every
 bucket pulled over gRPC and checked against its sha256), discards the tensors instead of
 loading them, sleeps `sync_time_s * time_scale`, and answers what a worker answers. Only the
 gRPC data plane is emulated.
@@ -662,8 +662,8 @@ def _receive_and_discard(request: dict[str, Any]) -> tuple[dict[str, Any], int]:
     the gRPC pull blocks."""
     import os
 
+    from relayrl.dataplane.receiver import receive_tensors
     from relayrl.engine.config import weightsync_tls_from_env
-    from relayrl.transfer.receiver import receive_tensors
 
     stats: dict[str, Any] = {}
     num_params = 0
@@ -887,7 +887,7 @@ async def serve(config: EmulatorConfig) -> None:
 
     # A real engine holds torch before its first version arrives: imported now, the receive
     # path's import (about a second) is not counted against the first sync.
-    import relayrl.transfer.receiver  # noqa: F401
+    import relayrl.dataplane.receiver  # noqa: F401
 
     registry = CollectorRegistry()
     metrics = EmulatorMetrics(registry)

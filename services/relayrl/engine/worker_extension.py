@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from relayrl.transfer.request import ReceiveRequest
-    from relayrl.transfer.transports.base import KeptResources
+    from relayrl.dataplane.request import ReceiveRequest
+    from relayrl.dataplane.transports.base import KeptResources
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -33,7 +33,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 INITIAL_WEIGHTS = ""
 """What a worker holds before any load: the weights it started from (its model folder); the
-same value as `relayrl.transfer.request.INITIAL_WEIGHTS`, which this module does not import."""
+same value as `relayrl.dataplane.request.INITIAL_WEIGHTS`, which this module does not import."""
 
 
 class RelayrlWorkerExtension:
@@ -144,15 +144,15 @@ class RelayrlWorkerExtension:
 
     def relayrl_receive(self, request_json: str) -> dict[str, Any]:
         """Receive a weight-sync version and load it in place (the request is a
-        `relayrl.transfer.request.ReceiveRequest` as JSON: the plan's target and digest, the
+        `relayrl.dataplane.request.ReceiveRequest` as JSON: the plan's target and digest, the
         data plane, and for a broadcast data plane the spec and this replica's first receiver
         rank, to which the worker's rank is added; ValueError says what is wrong with one that
         cannot be used). Buckets stream straight into the reload path (see
         `relayrl_load_tensors` for why reload, not load); returns the loaded buckets' sha256 in
         plan order, which the coordinator compares with what the senders pushed. The receiver
         (and gRPC with it) is imported only here, when a version arrives."""
+        from relayrl.dataplane.receiver import ReceiveRequest, receive_tensors
         from relayrl.engine.config import weightsync_tls_from_env
-        from relayrl.transfer.receiver import ReceiveRequest, receive_tensors
 
         request = ReceiveRequest.from_json(request_json)
         stats: dict[str, Any] = {}
@@ -188,7 +188,7 @@ class RelayrlWorkerExtension:
         """What this worker keeps across versions (one Mooncake engine: starting and stopping
         one per transfer costs about a second), set up before the model is touched, so that a
         data plane that cannot start leaves the model whole."""
-        from relayrl.transfer.transports.base import KeptResources
+        from relayrl.dataplane.transports.base import KeptResources
 
         kept = getattr(self, "_relayrl_kept", None)
         if kept is None:

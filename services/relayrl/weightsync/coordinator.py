@@ -38,11 +38,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from relayrl.core.interceptors import MintedTokens
+from relayrl.dataplane.data_planes import DATA_PLANES
+from relayrl.dataplane.request import INITIAL_WEIGHTS
+from relayrl.dataplane.transports.base import KeptResources, TransportSpec
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-from relayrl.transfer.data_planes import DATA_PLANES
-from relayrl.transfer.request import INITIAL_WEIGHTS
-from relayrl.transfer.transports.base import KeptResources, TransportSpec
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.loading import (
     LOADED,
@@ -305,7 +305,7 @@ class Coordinator:
         """This service as the only sender of `spec` (runs in a thread)."""
         import torch
 
-        from relayrl.transfer.transports.base import open_sink
+        from relayrl.dataplane.transports.base import open_sink
 
         with open_sink(spec, 0, **self._kept.for_spec(spec)) as sink, warnings.catch_warnings():
             # The buckets are immutable bytes; the data plane only reads them.

@@ -1,7 +1,7 @@
 """Loading a transfer into replicas, with retries, over the configured data plane: the `load`
 boundary (and `restore`, when no gateway drives the switch).
 
-How weight-sync delivers depends on the data plane (`relayrl.transfer.data_planes`): over the
+How weight-sync delivers depends on the data plane (`relayrl.dataplane.data_planes`): over the
 gRPC pull each replica's workers fetch the buckets themselves, so replicas load independently,
 each with its own tries (`PullLoader`); over a broadcast data plane one attempt sends every
 bucket once to every worker of the pending replicas, and the replicas that failed it go again
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from relayrl.core.access import ENGINE
 from relayrl.core.interceptors import MintedTokens
 from relayrl.core.ports import free_port
-from relayrl.transfer.request import ReceiveRequest
-from relayrl.transfer.transports.base import TransportSpec
+from relayrl.dataplane.request import ReceiveRequest
+from relayrl.dataplane.transports.base import TransportSpec
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.metrics import WeightSyncMetrics
 from relayrl.weightsync.versions import SyncError, Transfer, Versions

@@ -14,7 +14,7 @@ comparing it with the last one).
 
 With `delta`, a rank keeps the bytes of the buckets it pushed last and sends each bucket as a
 delta of them when the service accepted that version as the base (it must still be the
-committed one, with the same plan) and the delta is smaller (relayrl.transfer.delta). Anything
+committed one, with the same plan) and the delta is smaller (relayrl.dataplane.delta). Anything
 else (the first publish, `supersede`, a failed or superseded version, another plan) sends the
 bucket in full. The kept bytes are this rank's share of the model.
 """
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from relayrl.dataplane.plan import DoubleBufferedPacker, layouts_from_plan, plan_digest
+from relayrl.dataplane.shm import shares_host, write_bucket
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.transfer.plan import DoubleBufferedPacker, layouts_from_plan, plan_digest
-from relayrl.transfer.shm import shares_host, write_bucket
 
 if TYPE_CHECKING:
     from relayrl.core.config import GrpcKeepaliveConfig
@@ -86,8 +86,8 @@ def export_tensors(
     quantize_embeddings: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[common_pb2.TensorMeta]]:
     """Boundary 1: the tensors as they go on the wire, and their manifest (with FP8,
-    `quantize_embeddings` quantises embeddings and lm_head too; see `relayrl.transfer.quant`)."""
-    from relayrl.transfer.quant import quantize_fp8, scale_name, should_quantize
+    `quantize_embeddings` quantises embeddings and lm_head too; see `relayrl.dataplane.quant`)."""
+    from relayrl.dataplane.quant import quantize_fp8, scale_name, should_quantize
 
     out: dict[str, torch.Tensor] = {}
     metas: list[common_pb2.TensorMeta] = []
@@ -238,8 +238,8 @@ class WeightSyncSender:
         """This rank's buckets as chunks (each a delta of `base`'s where that is smaller; or,
         with `shm_slot`, written there and pushed as one empty chunk); the next bucket is
         packed while one is sent. Keeps each bucket's bytes in `pushed` when deltas are on."""
+        from relayrl.dataplane import delta
         from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-        from relayrl.transfer import delta
 
         own = [layouts[i] for i in mine]
         size = max((b.size_bytes for b in own), default=1)

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relayrl.core.atomic import atomic_write_bytes, fsync_dir
+from relayrl.dataplane.plan import BucketLayout, Piece, layouts_from_pieces, plan_digest
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-from relayrl.transfer.plan import BucketLayout, Piece, layouts_from_pieces, plan_digest
 
 logger = logging.getLogger(__name__)
 

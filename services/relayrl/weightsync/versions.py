@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.core.records import TransferRecord, append_record
+from relayrl.dataplane.delta import DeltaError
+from relayrl.dataplane.delta import apply as apply_delta
+from relayrl.dataplane.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
+from relayrl.dataplane.request import INITIAL_WEIGHTS
+from relayrl.dataplane.shm import ShmArea, map_bucket
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-from relayrl.transfer.delta import DeltaError
-from relayrl.transfer.delta import apply as apply_delta
-from relayrl.transfer.plan import BucketLayout, Piece, TensorSpec, plan_buckets, plan_digest
-from relayrl.transfer.request import INITIAL_WEIGHTS
-from relayrl.transfer.shm import ShmArea, map_bucket
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.metrics import WeightSyncMetrics
 from relayrl.weightsync.state import CommittedStore, StoredVersion
@@ -109,7 +109,7 @@ class Transfer:
     delta_base_id: str = ""
     delta_base: list[Bucket | None] | None = None
     # The shared-memory data plane: the slot folder senders on this host write the buckets
-    # into (relayrl.transfer.shm), while the transfer holds it.
+    # into (relayrl.dataplane.shm), while the transfer holds it.
     shm_slot: Path | None = None
 
     @property

@@ -43,7 +43,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch
 
 from relayrl.core.ports import free_port
-from relayrl.transfer.transports.base import (
+from relayrl.dataplane.transports.base import (
     TransportError,
     TransportSpec,
     open_sink,
@@ -76,7 +76,7 @@ def engine_resources(spec: TransportSpec, scenario: dict[str, Any]) -> dict[str,
     """With several transfers, a mooncake role keeps one engine for all of them."""
     if spec.type != "mooncake" or len(scenario["ports"]) == 1:
         return {}
-    from relayrl.transfer.transports.mooncake import MooncakeEngine
+    from relayrl.dataplane.transports.mooncake import MooncakeEngine
 
     return {"engine": MooncakeEngine("127.0.0.1")}
 

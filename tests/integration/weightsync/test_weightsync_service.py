@@ -160,7 +160,7 @@ def test_delta_versions_reach_the_engine_bit_for_bit_in_a_fraction_of_the_bytes(
 def test_fp8_is_within_the_e4m3_bound_and_generates_close_to_bf16(
     engine: EngineProcess, weightsync: ServiceProcess, model_dir: Path
 ) -> None:
-    from relayrl.transfer.quant import dequantize_fp8, quantize_fp8
+    from relayrl.dataplane.quant import dequantize_fp8, quantize_fp8
 
     weights = perturbed(model_dir, 0.5, seed=2)
     for mode in ("per_tensor", "block_128"):
@@ -331,7 +331,7 @@ def test_a_replica_killed_mid_broadcast_is_dropped_and_the_other_loads_the_whole
     private_engine: Callable[..., EngineProcess],
     tmp_path: Path,
 ) -> None:
-    from relayrl.transfer.receiver import FAULT_EXIT_AFTER_BUCKET
+    from relayrl.dataplane.receiver import FAULT_EXIT_AFTER_BUCKET
 
     doomed = private_engine(
         "doomed",

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from relayrl.transfer.transports.base import (
+from relayrl.dataplane.transports.base import (
     TRANSPORTS,
     TransportError,
     TransportSpec,

@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     {"stack"},
     {"gateway", "reward", "trainer", "weightsync", "tasks", "sim"},
     {"engine"},
-    {"transfer", "inference", "conversation", "models"},
+    {"dataplane", "inference", "conversation", "models"},
     {"tq", "proto", "core"},
 ]
 SERVICES = LAYERS[2]

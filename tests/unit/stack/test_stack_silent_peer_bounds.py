@@ -5,12 +5,12 @@ trainer's stop rules."""
 from __future__ import annotations
 
 from relayrl.core.config import GrpcClientConfig, GrpcServerConfig
+from relayrl.dataplane.transports.base import PEER_KEEPALIVE
 from relayrl.gateway.config import GatewayConfig, KubernetesDiscoveryConfig
 from relayrl.reward.managers.judge import RemoteConfig
 from relayrl.tq import TQConfig
 from relayrl.trainer.config import WeightSyncPublishConfig
 from relayrl.trainer.progress import ProgressConfig
-from relayrl.transfer.transports.base import PEER_KEEPALIVE
 from relayrl.weightsync.config import WeightSyncConfig
 
 RECOVERY_S = 30.0

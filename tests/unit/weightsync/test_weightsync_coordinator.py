@@ -18,11 +18,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from relayrl.core.records import TransferRecord, read_records
+from relayrl.dataplane.transports.base import TransportError, TransportSpec
 from relayrl.gateway.replicas import ReplicaPool, ReplicaState
 from relayrl.inference.client import EngineUnavailable
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-from relayrl.transfer.transports.base import TransportError, TransportSpec
 from relayrl.weightsync.config import WeightSyncConfig
 from relayrl.weightsync.coordinator import Coordinator, SyncError
 from relayrl.weightsync.metrics import WeightSyncMetrics
@@ -561,7 +561,7 @@ def test_versions_go_forward_unless_a_resumed_trainer_supersedes(
 def test_a_delta_bucket_is_rebuilt_from_the_committed_version_it_was_made_from(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from relayrl.transfer import delta
+    from relayrl.dataplane import delta
 
     engine = Engine("http://a")
     no_send(monkeypatch)

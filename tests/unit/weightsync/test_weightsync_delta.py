@@ -1,4 +1,4 @@
-"""Delta buckets (relayrl.transfer.delta): what changed, bitwise, at the bucket's element width;
+"""Delta buckets (relayrl.dataplane.delta): what changed, bitwise, at the bucket's element width;
 never larger than the bucket; applied only to the base it was made from."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from relayrl.transfer.delta import HEADER, DeltaError, apply, encode
+from relayrl.dataplane.delta import HEADER, DeltaError, apply, encode
 
 
 def bf16_bucket(n: int, seed: int = 0) -> bytes:

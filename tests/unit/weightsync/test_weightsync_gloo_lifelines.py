@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from relayrl.transfer.transports.base import PEER_KEEPALIVE
-from relayrl.transfer.transports.torch_distributed import (
+from relayrl.dataplane.transports.base import PEER_KEEPALIVE
+from relayrl.dataplane.transports.torch_distributed import (
     _FAREWELL_ABORT,
     _FAREWELL_DONE,
     _Failure,

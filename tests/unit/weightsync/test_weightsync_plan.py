@@ -8,8 +8,7 @@ import threading
 import pytest
 import torch
 
-from relayrl.proto.common.v1 import common_pb2
-from relayrl.transfer.plan import (
+from relayrl.dataplane.plan import (
     BucketAssembler,
     BucketChecksumError,
     BucketLayout,
@@ -27,6 +26,7 @@ from relayrl.transfer.plan import (
     plan_digest,
     verify_plan_digest,
 )
+from relayrl.proto.common.v1 import common_pb2
 
 # --- helpers ------------------------------------------------------------------------------------
 

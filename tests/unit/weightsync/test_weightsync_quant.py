@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relayrl.transfer.plan import BucketAssembler, pack_bucket, plan_buckets
-from relayrl.transfer.quant import (
+from relayrl.dataplane.plan import BucketAssembler, pack_bucket, plan_buckets
+from relayrl.dataplane.quant import (
     FP8_DTYPE,
     QuantMode,
     dequantize_fp8,

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from relayrl.core.config import TlsClientConfig
-from relayrl.transfer.data_planes import DATA_PLANES
-from relayrl.transfer.request import ReceiveRequest
-from relayrl.transfer.transports.base import TRANSPORTS, TransportSpec
+from relayrl.dataplane.data_planes import DATA_PLANES
+from relayrl.dataplane.request import ReceiveRequest
+from relayrl.dataplane.transports.base import TRANSPORTS, TransportSpec
 from relayrl.weightsync.config import DataPlaneConfig
 
 SPEC = TransportSpec(
@@ -60,7 +60,7 @@ def test_a_broadcast_request_carries_its_spec_rank_and_checksums() -> None:
 
 
 def test_over_tls_both_sides_must_agree_and_the_ca_is_the_engines_own(tmp_path: Path) -> None:
-    from relayrl.transfer.receiver import ReceiveError, _identity
+    from relayrl.dataplane.receiver import ReceiveError, _identity
 
     request = ReceiveRequest.from_dict({**PULL, "tls": True, "token": "t" * 20})
     assert (

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from relayrl.dataplane.plan import pack_bucket, plan_buckets
+from relayrl.dataplane.quant import FP8_DTYPE, dequantize_fp8
+from relayrl.dataplane.receiver import ReceiveError, _tensors
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-from relayrl.transfer.plan import pack_bucket, plan_buckets
-from relayrl.transfer.quant import FP8_DTYPE, dequantize_fp8
-from relayrl.transfer.receiver import ReceiveError, _tensors
 from relayrl.weightsync.coordinator import tensor_spec
 from relayrl.weightsync.sender import export_tensors
 

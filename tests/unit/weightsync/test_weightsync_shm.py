@@ -1,4 +1,4 @@
-"""The shared-memory data plane's files (relayrl.transfer.shm): the service's private folder
+"""The shared-memory data plane's files (relayrl.dataplane.shm): the service's private folder
 and host token, slots reused in the order they were freed, buckets written over the pages a
 previous transfer left, read back only at the plan's size, and the folders of dead services
 removed by the next one."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.transfer.shm import (
+from relayrl.dataplane.shm import (
     HOST_FILE,
     PREFIX,
     ShmArea,

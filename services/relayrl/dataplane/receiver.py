@@ -3,7 +3,7 @@ calls `receive_tensors` from its `relayrl_receive` method).
 
 The plan comes from the weight-sync service over gRPC (and must hash to the digest the
 coordinator announced); the buckets come over the data plane the coordinator chose, a key of
-`relayrl.transfer.data_planes.DATA_PLANES`:
+`relayrl.dataplane.data_planes.DATA_PLANES`:
 
     grpc               the worker pulls them from the service (PullBuckets streaming)
     shm                the same, but on the service's host it reads them from shared memory
@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from relayrl.proto.common.v1 import common_pb2
-from relayrl.transfer.data_planes import (
+from relayrl.dataplane.data_planes import (
     DATA_PLANES,
     FAULT_EXIT_AFTER_BUCKET,
     Buckets,
     ReceiveError,
     Receiving,
 )
-from relayrl.transfer.plan import BucketAssembler, BucketLayout, layouts_from_plan, plan_digest
-from relayrl.transfer.request import ReceiveRequest
-from relayrl.transfer.transports.base import KeptResources
+from relayrl.dataplane.plan import BucketAssembler, BucketLayout, layouts_from_plan, plan_digest
+from relayrl.dataplane.request import ReceiveRequest
+from relayrl.dataplane.transports.base import KeptResources
+from relayrl.proto.common.v1 import common_pb2
 
 if TYPE_CHECKING:
     from relayrl.core.config import TlsClientConfig
@@ -172,7 +172,7 @@ def _tensors(
     """Buckets cut back into tensors; FP8 ones dequantised to `dtype`, or, for an engine that
     loads FP8 in the `engine_fp8` format, passed on with their scales (except embeddings and
     lm_head, which FP8 engines keep in bf16). Appends each bucket's sha256 to `digests`."""
-    from relayrl.transfer.quant import EMBEDDING_NAME_PARTS, dequantize_fp8
+    from relayrl.dataplane.quant import EMBEDDING_NAME_PARTS, dequantize_fp8
 
     dequantized: dict[str, tuple[str, str]] = {}  # weight -> (mode, its scale's name)
     for t in (t for b in plan.buckets for t in b.tensors if t.quantization in QUANT_MODES):

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-from relayrl.transfer.transports.base import TransportSpec
+from relayrl.dataplane.transports.base import TransportSpec
 
 INITIAL_WEIGHTS: Final = ""
 """What a worker holds before any load (its `relayrl_ping` answers it): the weights it started
@@ -39,10 +39,10 @@ class ReceiveRequest:
     too)."""
     transfer_id: str
     plan_digest: str
-    """What the plan must hash to (`relayrl.transfer.plan.plan_digest`); a worker refuses to
+    """What the plan must hash to (`relayrl.dataplane.plan.plan_digest`); a worker refuses to
     load any other plan."""
     transport: str = "grpc"
-    """The data plane: a key of `relayrl.transfer.receiver.DATA_PLANES`."""
+    """The data plane: a key of `relayrl.dataplane.receiver.DATA_PLANES`."""
     replica_id: str = ""
     timeout_s: float = 300.0
     """Deadline of the whole receive."""

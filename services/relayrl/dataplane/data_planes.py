@@ -3,7 +3,7 @@ weight-sync's `data_plane.transport` setting gives:
 
     grpc               each worker pulls the buckets from the service (PullBuckets streaming)
     shm                the same pull, but a worker on the service's host reads each bucket
-                       from the shared-memory file the sender wrote (relayrl.transfer.shm)
+                       from the shared-memory file the sender wrote (relayrl.dataplane.shm)
     torch_distributed  the service broadcasts them to every worker of every replica
     mooncake           the service writes them into every worker's registered buffers
 
@@ -11,7 +11,7 @@ An entry is the data plane's receiving end (`buckets`, run in the worker) and ho
 delivers over it (`broadcast`): replica by replica, each replica's workers fetching the
 buckets themselves, or once for all replicas, with one `TransportSpec` per attempt naming every
 worker a receiver. The broadcast entries are the backends of
-`relayrl.transfer.transports.base.TRANSPORTS`.
+`relayrl.dataplane.transports.base.TRANSPORTS`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import torch
 
-from relayrl.transfer.transports.base import TRANSPORTS
+from relayrl.dataplane.transports.base import TRANSPORTS
 
 if TYPE_CHECKING:
-    from relayrl.transfer.plan import BucketLayout
-    from relayrl.transfer.request import ReceiveRequest
-    from relayrl.transfer.transports.base import KeptResources
+    from relayrl.dataplane.plan import BucketLayout
+    from relayrl.dataplane.request import ReceiveRequest
+    from relayrl.dataplane.transports.base import KeptResources
 
 FAULT_EXIT_AFTER_BUCKET = "RELAYRL_FAULT_EXIT_AFTER_BUCKET"
 """Fault injection for tests: a worker whose environment sets this to N dies (exit 137) right
@@ -87,8 +87,8 @@ class GrpcPull(DataPlane):
         self._shm = shm
 
     def buckets(self, receiving: Receiving) -> Buckets:
+        from relayrl.dataplane.shm import shares_host
         from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
-        from relayrl.transfer.shm import shares_host
 
         request, layouts = receiving.request, receiving.layouts
         transfer_id = request.transfer_id
@@ -137,7 +137,7 @@ class GrpcPull(DataPlane):
     @staticmethod
     def _read_file(receiving: Receiving, index: int, view: memoryview) -> int:
         """Bucket `index` from the transfer's shared-memory slot into `view`; its size."""
-        from relayrl.transfer.shm import read_bucket
+        from relayrl.dataplane.shm import read_bucket
 
         transfer_id = receiving.request.transfer_id
         if not 0 <= index < len(receiving.layouts):
@@ -160,7 +160,7 @@ class Broadcast(DataPlane):
     broadcast = True
 
     def buckets(self, receiving: Receiving) -> Buckets:
-        from relayrl.transfer.transports.base import TransportError, open_source
+        from relayrl.dataplane.transports.base import TransportError, open_source
 
         request, spec = receiving.request, receiving.request.spec
         transfer_id = request.transfer_id

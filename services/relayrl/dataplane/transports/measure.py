@@ -13,7 +13,7 @@ the copies between processes that a real transfer makes. Times start after every
 of what each receiver gets.
 
 Mooncake listens on every interface: measure it inside a private network namespace, e.g.
-    unshare -n -- sh -c 'ip link set lo up && python -m relayrl.transfer.transports.measure'
+    unshare -n -- sh -c 'ip link set lo up && python -m relayrl.dataplane.transports.measure'
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def _transport_role(
 ) -> None:
     import torch
 
-    from relayrl.transfer.transports.base import (
+    from relayrl.dataplane.transports.base import (
         TRANSPORTS,
         TransportSpec,
         open_sink,
@@ -406,7 +406,7 @@ def measure_transport_gbps(
     transfer was set up, with the backend's modules already imported (the two receive buffers
     plus the transport's own: connections, threads), and set_up_extra_bytes: how much of that
     was there once set up, before the first bucket, and cpu_s_per_gb as `measure_tcp` has it."""
-    from relayrl.transfer.transports.base import TransportSpec
+    from relayrl.dataplane.transports.base import TransportSpec
 
     if type == "mooncake" and set(os.listdir("/sys/class/net")) - {"lo"}:
         warnings.warn(

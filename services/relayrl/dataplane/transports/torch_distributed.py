@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relayrl.core.sockets import apply_tcp_keepalive
-from relayrl.transfer.transports.base import (
+from relayrl.dataplane.transports.base import (
     PEER_KEEPALIVE,
     BucketSink,
     BucketSource,

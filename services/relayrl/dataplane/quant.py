@@ -38,7 +38,7 @@ from typing import Literal
 
 import torch
 
-from relayrl.transfer.plan import TensorSpec
+from relayrl.dataplane.plan import TensorSpec
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
@@ -49,7 +49,7 @@ QUANTIZATION_BY_MODE: dict[str, str] = {
     "per_tensor": "fp8_per_tensor",
     "block_128": "fp8_block_128",
 }
-"""Mode -> the ``quantization`` string of :class:`~relayrl.transfer.plan.Piece`."""
+"""Mode -> the ``quantization`` string of :class:`~relayrl.dataplane.plan.Piece`."""
 
 _SKIP_NAME_PARTS = ("norm", "mlp.gate.", "shared_expert_gate")
 EMBEDDING_NAME_PARTS = ("embed", "lm_head")

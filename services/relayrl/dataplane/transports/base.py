@@ -54,12 +54,12 @@ if TYPE_CHECKING:
 # name -> (sink class, source class) as `module:Class` paths, imported on first use.
 TRANSPORTS: Final[dict[str, tuple[str, str]]] = {
     "torch_distributed": (
-        "relayrl.transfer.transports.torch_distributed:TorchDistributedSink",
-        "relayrl.transfer.transports.torch_distributed:TorchDistributedSource",
+        "relayrl.dataplane.transports.torch_distributed:TorchDistributedSink",
+        "relayrl.dataplane.transports.torch_distributed:TorchDistributedSource",
     ),
     "mooncake": (
-        "relayrl.transfer.transports.mooncake:MooncakeSink",
-        "relayrl.transfer.transports.mooncake:MooncakeSource",
+        "relayrl.dataplane.transports.mooncake:MooncakeSink",
+        "relayrl.dataplane.transports.mooncake:MooncakeSource",
     ),
 }
 

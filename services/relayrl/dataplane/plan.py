@@ -120,7 +120,7 @@ class TensorSpec:
     """What a plan needs to know about one tensor: its name, shape and dtype (not its values).
 
     ``quantization`` and ``scale_name`` are copied into every :class:`Piece` of the tensor so
-    the receiver knows which tensor holds its FP8 scales (see :mod:`relayrl.transfer.quant`).
+    the receiver knows which tensor holds its FP8 scales (see :mod:`relayrl.dataplane.quant`).
     """
 
     name: str
