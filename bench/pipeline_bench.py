@@ -13,7 +13,7 @@ What runs, per design, all real processes on loopback:
     scale, and whose weight load really pulls the version from weight-sync, then takes the
     scaled sync time.
 Labelled stand-ins: the engine is the emulator (a load generator, not a model) and the
-trainer's policy update is a sleep of the scaled train time (`emulated_update_s`, benchmark
+trainer's policy update is a sleep of the scaled train time (`research.emulated_update_s`, benchmark
 only: every step record says `emulated_update: 1`). Everything between them — claims, leases,
 trajectories in Redis, reward scoring, the staleness gate, the version switch across gateway
 and engine, publishing the (tiny) model's real weights — is the production code.
@@ -213,7 +213,7 @@ def compose_stack(
             },
             "publish": {"wait_for_commit": True},
             "gateway": {"default_timeout_s": 30},
-            "emulated_update_s": args.train_time_s * args.scale,
+            "research": {"emulated_update_s": args.train_time_s * args.scale},
             "total_steps": args.steps,
             "metrics_log": str(root / "steps.jsonl"),
         },

@@ -1,7 +1,7 @@
 """What staleness costs and what the behaviour corrections win back, in the real pipeline:
 `relayrl up` (redis, gateway, reward-service, weight-sync, trainer, vLLM engine) on the default
 task in `sync` mode, with rollout held exactly `lag` versions behind the trainer
-(`research_policy_lag`, docs/staleness.md#controlled-lag), without correction and with TIS
+(`research.policy_lag`, docs/staleness.md#controlled-lag), without correction and with TIS
 (C = 2) or IcePop ([0.5, 5]) weights. Every variant has the same seed, steps, warm start and
 a constant learning rate (1e-3, 2.5x the default job's peak) at which the policy moves fast
 enough for lag to matter (lag 0 gains about 8 held-out points in 30 steps); each
@@ -66,7 +66,7 @@ class Result:
 def variant_config(args: argparse.Namespace, lag: int, weights: dict, seed: int) -> dict:
     trainer: dict = {"algorithm": {"loss": {"importance_sampling": weights}}}
     if lag:
-        trainer["research_policy_lag"] = lag
+        trainer["research"] = {"policy_lag": lag}
     return {
         "train": {
             "mode": "sync",

@@ -373,8 +373,46 @@ PublishConfig = Annotated[
 ]
 
 
+class ResearchConfig(StrictModel):
+    """Knobs that make the trainer an instrument for benchmarks and experiments (`research:`).
+    A run that trains a model leaves them off."""
+
+    emulated_update_s: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description="BENCHMARK ONLY (`make bench-pipeline`): replace the policy update "
+        "(forward, backward, optimizer) by a sleep of this many seconds; the weights stay as "
+        "built and are still published every step. null: the real update.",
+    )
+    policy_lag: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="RESEARCH ONLY (`make bench-staleness`, docs/staleness.md#controlled-lag): "
+        "rollout samples from weights exactly this many versions behind the trainer (on top of "
+        "the mode's own lag), to measure what staleness costs and what the corrections win "
+        "back. Needs publish type weightsync; the trainer keeps this many + 1 host copies of "
+        "the model. 0: off.",
+    )
+
+    @model_validator(mode="after")
+    def _one_at_a_time(self) -> ResearchConfig:
+        if self.policy_lag and self.emulated_update_s is not None:
+            raise ValueError(
+                "policy_lag needs the real update (emulated_update_s leaves the weights as "
+                "built, so every version would be the same): drop one of them"
+            )
+        return self
+
+
 class TrainerConfig(ServiceConfig):
     """trainer: samples scored groups from the TransferQueue and trains the policy."""
+
+    renamed_keys = {
+        "emulated_update_s": "research.emulated_update_s",
+        "research_policy_lag": "research.policy_lag",
+    }
 
     tq: TQConfig = Field(default_factory=TQConfig, description="The TransferQueue (Redis).")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -394,23 +432,10 @@ class TrainerConfig(ServiceConfig):
         "version, so its throttle lets rollout run ahead by eta.",
     )
     total_steps: int = Field(100, ge=0, description="Steps (published versions) to train.")
-    emulated_update_s: float | None = Field(
-        None,
-        gt=0,
-        le=3600,
-        description="BENCHMARK ONLY (`make bench-pipeline`): replace the policy update "
-        "(forward, backward, optimizer) by a sleep of this many seconds; the weights stay as "
-        "built and are still published every step. null: the real update.",
-    )
-    research_policy_lag: int = Field(
-        0,
-        ge=0,
-        le=64,
-        description="RESEARCH ONLY (`make bench-staleness`, docs/staleness.md#controlled-lag): "
-        "rollout samples from weights exactly this many versions behind the trainer (on top of "
-        "the mode's own lag), to measure what staleness costs and what the corrections win "
-        "back. Needs publish type weightsync; the trainer keeps this many + 1 host copies of "
-        "the model. 0: off.",
+    research: ResearchConfig = Field(
+        default_factory=ResearchConfig,
+        description="Knobs for benchmarks and experiments, not for training a model; off by "
+        "default.",
     )
     metrics_log: Path | None = Field(
         None, description="JSONL file that receives every step's metrics."
@@ -430,16 +455,12 @@ class TrainerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _lag_rules(self) -> TrainerConfig:
-        if self.research_policy_lag and self.publish.type != "weightsync":
+        lag = self.research.policy_lag
+        if lag and self.publish.type != "weightsync":
             raise ValueError(
-                f"research_policy_lag ({self.research_policy_lag}) holds rollout back through "
-                f"weight-sync's versions; with publish type {self.publish.type} it cannot: "
-                "set publish.type weightsync or research_policy_lag 0"
-            )
-        if self.research_policy_lag and self.emulated_update_s is not None:
-            raise ValueError(
-                "research_policy_lag needs the real update (emulated_update_s leaves the weights "
-                "as built, so every version would be the same): drop one of them"
+                f"research.policy_lag ({lag}) holds rollout back through weight-sync's "
+                f"versions; with publish type {self.publish.type} it cannot: set publish.type "
+                "weightsync or research.policy_lag 0"
             )
         return self
 
@@ -463,15 +484,15 @@ class TrainerConfig(ServiceConfig):
             self.publish,
             self.model.hf_dir,
             outage_timeout_s=self.outage_timeout_s,
-            lag=self.research_policy_lag,
+            lag=self.research.policy_lag,
         )
 
     def build_updater(self, policy: Policy, data_parallel: DataParallel) -> Updater:
-        """The step's policy update, or its benchmark stand-in (`emulated_update_s`)."""
+        """The step's policy update, or its benchmark stand-in (`research.emulated_update_s`)."""
         from relayrl.trainer.step import EmulatedUpdater, PolicyUpdater
 
-        if self.emulated_update_s is not None:
-            return EmulatedUpdater(self.emulated_update_s)
+        if self.research.emulated_update_s is not None:
+            return EmulatedUpdater(self.research.emulated_update_s)
         return PolicyUpdater(
             self.algorithm,
             policy.model,

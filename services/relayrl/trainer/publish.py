@@ -187,7 +187,7 @@ class WeightSyncPublisher(WeightPublisher):
 
 
 class LaggedPublisher(WeightPublisher):
-    """RESEARCH ONLY (`research_policy_lag`, `make bench-staleness`,
+    """RESEARCH ONLY (`research.policy_lag`, `make bench-staleness`,
     docs/staleness.md#controlled-lag): rollout samples from weights exactly `lag` versions
     behind the trainer.
 

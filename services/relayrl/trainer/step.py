@@ -76,13 +76,13 @@ class Updater(Protocol):
 class EmulatedUpdater:
     """BENCHMARK ONLY: stands in for `PolicyUpdater` with a fixed sleep, so that a pipeline
     benchmark measures rollout, reward, queue and weight sync around a training step of a
-    known duration (`emulated_update_s`). Nothing is learned; every step reports
+    known duration (`research.emulated_update_s`). Nothing is learned; every step reports
     `emulated_update = 1` so that no record can pass for a trained one."""
 
     def __init__(self, seconds: float) -> None:
         self._seconds = seconds
         logger.warning(
-            "emulated_update_s = %.3f: the policy update is a sleep (benchmark only); "
+            "research.emulated_update_s = %.3f: the policy update is a sleep (benchmark only); "
             "this trainer learns nothing",
             seconds,
         )

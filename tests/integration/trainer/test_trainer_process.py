@@ -96,7 +96,9 @@ def test_emulated_update_sleeps_publishes_and_says_so(
 ) -> None:
     """The benchmark-only update trains nothing, says so in every record and log, and still
     runs the rest of the step: sampling, publishing a version per step, checkpoints."""
-    config = trainer_config(redis_server, model_dir, tmp_path, total_steps=3, emulated_update_s=0.2)
+    config = trainer_config(
+        redis_server, model_dir, tmp_path, total_steps=3, research={"emulated_update_s": 0.2}
+    )
     config["publish"] = {"type": "hf_dir", "dir": str(tmp_path / "published"), "keep": 5}
     emulator = RolloutEmulator(tq).start()
     trainer = ServiceProcess("relayrl-trainer", config, tmp_path / "t").start(timeout_s=120)

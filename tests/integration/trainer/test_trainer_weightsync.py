@@ -129,10 +129,10 @@ def test_tp2_trainer_ranks_send_to_two_replicas(
 def test_a_research_lag_holds_the_engine_exactly_that_many_versions_back(
     redis_server, tq, model_dir, engine, tmp_path
 ) -> None:
-    """research_policy_lag 2 over 5 steps: the engine gets versions 1, 2, 3 (each two steps
+    """research.policy_lag 2 over 5 steps: the engine gets versions 1, 2, 3 (each two steps
     late, under its own number), then the last trained version, 5, when training ends."""
     with publishing_to(
-        redis_server, model_dir, tmp_path, [engine], total_steps=5, research_policy_lag=2
+        redis_server, model_dir, tmp_path, [engine], total_steps=5, research={"policy_lag": 2}
     ) as (weightsync, config):
         train_to_the_end(tq, config, tmp_path / "t")
         log = weightsync.log()

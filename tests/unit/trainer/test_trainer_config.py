@@ -46,7 +46,12 @@ def test_the_example_trainer_config_loads() -> None:
         ("optim: {lr: 0.001, min_lr: 0.01}", "min_lr"),
         ("publish: {type: s3}", "publish"),
         ("data: {run_id: 'has_underscore'}", "data.run_id"),
-        ("emulated_update_s: 0", "emulated_update_s: Input should be greater than 0"),
+        (
+            "research: {emulated_update_s: 0}",
+            "research.emulated_update_s: Input should be greater than 0",
+        ),
+        ("emulated_update_s: 1", "emulated_update_s: renamed to research.emulated_update_s"),
+        ("research_policy_lag: 1", "research_policy_lag: renamed to research.policy_lag"),
     ],
 )
 def test_bad_configs_fail_with_one_line(tmp_path: Path, text: str, match: str) -> None:

@@ -1,4 +1,4 @@
-"""`research_policy_lag`: the trainer publishes the weights of `lag` versions ago under their
+"""`research.policy_lag`: the trainer publishes the weights of `lag` versions ago under their
 own number, so rollout is exactly that far behind; what a run leaves is its last version."""
 
 from __future__ import annotations
@@ -84,17 +84,16 @@ def test_it_holds_at_most_lag_plus_one_copies(export):
 
 def test_the_lag_needs_weight_sync_and_a_real_update() -> None:
     with pytest.raises(ValidationError, match=r"set publish\.type weightsync"):
-        TrainerConfig.model_validate({"research_policy_lag": 2})
+        TrainerConfig.model_validate({"research": {"policy_lag": 2}})
     with pytest.raises(ValidationError, match="needs the real update"):
         TrainerConfig.model_validate(
             {
-                "research_policy_lag": 2,
-                "emulated_update_s": 1.0,
+                "research": {"policy_lag": 2, "emulated_update_s": 1.0},
                 "publish": {"type": "weightsync", "target": "localhost:1"},
             }
         )
     config = TrainerConfig.model_validate(
-        {"research_policy_lag": 2, "publish": {"type": "weightsync", "target": "localhost:1"}}
+        {"research": {"policy_lag": 2}, "publish": {"type": "weightsync", "target": "localhost:1"}}
     )
     assert isinstance(config.build_publisher(), LaggedPublisher)
     assert isinstance(
