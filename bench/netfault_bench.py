@@ -66,12 +66,14 @@ SLOW_RATE_BYTES_S = 64_000
 """slow: the rate each direction of the link is held to."""
 STEP_MARGIN = 5
 """A run takes no new fault once it is this many steps from its end (it must commit after)."""
-STEPS_PER_S = 1.0
-"""Steps of the tiny task a second while the links are sound (here, 2 cores: about one): a
-fault that does not stop training (`up` to the engine, slow) goes on for this many a second,
-and so a run is given steps for its faults' time as well as for their number."""
 STEPS_PER_FAULT = 5
-"""...and this many for each fault's recovery."""
+"""Steps a run is given for each fault that stops training (a fault and its recovery take one
+or two here)..."""
+STEPS_PER_S = 1.0
+"""...and for each second of a fault that does not (`up` to the engine, slow, half_open, whose
+new connections work): the tiny task takes about a step a second while training goes on."""
+GOES_ON = ("slow", "half_open")
+"""Kinds under which training goes on, on any link."""
 EST_FAULT_S = 10.0
 """What the plan's time estimate takes for a fault's recovery, on top of its length..."""
 EST_START_S = 150.0
@@ -177,10 +179,11 @@ def plan(links: list[str], kinds: list[str], rounds: int, seed: int, quick: bool
 
 
 def steps_for(faults: list[Planned]) -> int:
-    """Steps enough for a run to take `faults` one after another (a run given too few passes
-    the faults it has no time for on to the next run)."""
-    fault_s = sum(f.for_s for f in faults)
-    return STEP_MARGIN + round(fault_s * STEPS_PER_S) + STEPS_PER_FAULT * len(faults)
+    """Steps enough for a run to take `faults` one after another: too many are trained after
+    the last fault for nothing, and a run given too few passes the faults it has no room for
+    on to the next run."""
+    goes_on_s = sum(f.for_s for f in faults if f.kind in GOES_ON or LINKS[f.link].a == "up")
+    return STEP_MARGIN + round(goes_on_s * STEPS_PER_S) + STEPS_PER_FAULT * len(faults)
 
 
 def estimate_s(faults: list[Planned], max_steps: int) -> tuple[int, float]:
@@ -320,7 +323,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--quick", action="store_true",
         help="a smoke run: one short fault per link (kinds in turn), no long or random ones",
     )  # fmt: skip
-    parser.add_argument("--max-steps", type=int, default=400,
+    parser.add_argument("--max-steps", type=int, default=600,
                         help="trainer steps of a run at most (more faults: more runs)")  # fmt: skip
     parser.add_argument("--slow-rate-bytes-s", type=int, default=SLOW_RATE_BYTES_S,
                         help="what slow holds each direction of a link to")  # fmt: skip
