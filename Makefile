@@ -166,7 +166,7 @@ UP_ARGS ?=
 bench-chaos: setup ## kill every part of short relayrl up runs (fixed + random schedules) and audit them
 	$(BIN)/python bench/chaos_bench.py
 
-bench-netfault: setup ## every network fault on every link of relayrl up with hosts of its own, then random ones; audited (root; ~35 min; BENCH_ARGS="--quick")
+bench-netfault: setup ## every network fault on every link of relayrl up with hosts of its own, then random ones; audited (root; ~30 min; BENCH_ARGS="--quick")
 	$(BIN)/python bench/netfault_bench.py $(BENCH_ARGS)
 
 run: setup ## set up and run the main job on the embedded default (flags: UP_ARGS="...")
