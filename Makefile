@@ -25,7 +25,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -107,7 +107,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -165,6 +165,9 @@ UP_ARGS ?=
 
 bench-chaos: setup ## kill every part of short relayrl up runs (fixed + random schedules) and audit them
 	$(BIN)/python bench/chaos_bench.py
+
+bench-netfault: setup ## every network fault on every link of relayrl up with hosts of its own, then random ones; audited (root; ~30 min; BENCH_ARGS="--quick")
+	$(BIN)/python bench/netfault_bench.py $(BENCH_ARGS)
 
 run: setup ## set up and run the main job on the embedded default (flags: UP_ARGS="...")
 	$(BIN)/relayrl up $(UP_ARGS)

@@ -1,6 +1,7 @@
 """Chaos on the main job: every part of a short `relayrl up` run is SIGKILLed (with its process
 group, as a crashed pod) while it trains, and each run is then audited (`relayrl audit`: no
-group or prompt lost, none trained twice, no span sampled by weights that were not committed).
+group or prompt lost, none trained twice, no prompt skipped, no span sampled by weights that
+were not committed).
 
 Round 0 is the fixed schedule, one kill after another in one run, each at the moment that
 hurts most:
@@ -15,7 +16,7 @@ number of steps each. A kill's recovery time is from the kill to the next commit
 
 The last line is exactly (one line; `lost` counts groups and prompts lost):
     chaos-bench: kills=<n> runs_completed=<n>/<n> lost=<n> trained_twice=<n>
-                 stale_served=<n> max_recovery_s=<s>
+                 stale_served=<n> prompts_skipped=<n> max_recovery_s=<s>
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 import yaml
 
 from relayrl.core.records import StepRecord, TransferRecord, read_records
+from relayrl_testkit.helpers.up import deep_update
 
 FIXED = ("trainer_early", "redis", "engine", "weightsync", "trainer", "gateway+reward")
 PARTS = ("redis", "engine", "weightsync", "trainer", "gateway", "reward", "gateway+reward")
@@ -88,9 +90,12 @@ class ChaosError(RuntimeError):
 class UpRun:
     """One `relayrl up` in its own session, watched through its run folder."""
 
-    def __init__(self, runs_dir: Path, steps: int, log: Path) -> None:
+    def __init__(
+        self, runs_dir: Path, steps: int, log: Path, over: dict[str, Any] | None = None
+    ) -> None:
+        """`over` is merged into RUN_CONFIG (a dict in place of a dict is merged into it)."""
         runs_dir.mkdir(parents=True, exist_ok=True)
-        config = dict(RUN_CONFIG, train={**RUN_CONFIG["train"], "steps": steps})
+        config = deep_update(deep_update(RUN_CONFIG, over or {}), {"train": {"steps": steps}})
         config_path = runs_dir / f"{log.stem}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         self.log = log
@@ -236,6 +241,25 @@ def kill(run: UpRun, part: str, min_step: int) -> Kill:
     return record
 
 
+AUDIT_KINDS = ("lost", "prompts_lost", "trained_twice", "stale_served")
+"""What `relayrl audit` may find wrong with a run; each must be empty."""
+
+
+def audit_record(report: Any) -> dict[str, Any]:
+    """An AuditReport as JSON with its summary."""
+    record: dict[str, Any] = report.to_json() | {"summary": report.summary()}
+    return record
+
+
+def audit_totals(audits: list[dict[str, Any]]) -> dict[str, int]:
+    """The benches' counts over runs' audit records: `lost` counts groups and prompts lost,
+    `prompts_skipped` the prompts whose retry budget ran out (relayrl.up.audit)."""
+    total = {k: sum(len(a.get(k, [])) for a in audits) for k in AUDIT_KINDS}
+    total["lost"] += total.pop("prompts_lost")
+    total["prompts_skipped"] = sum(a.get("prompts", {}).get("skipped", 0) for a in audits)
+    return total
+
+
 def one_run(name: str, parts: list[str], steps: int, runs_dir: Path, rng: random.Random,
             say: Any) -> RunResult:  # fmt: skip
     from relayrl.up.audit import audit_run
@@ -261,9 +285,9 @@ def one_run(name: str, parts: list[str], steps: int, runs_dir: Path, rng: random
         run.stop()
     try:
         report = audit_run(run.run_dir)
-        result.audit = report.to_json() | {"summary": report.summary()}
+        result.audit = audit_record(report)
         say(f"  {name}: {report.summary()}")
-        for kind in ("lost", "prompts_lost", "trained_twice", "stale_served"):
+        for kind in AUDIT_KINDS:
             for line in result.audit[kind][:5]:
                 say(f"    {kind}: {line}")
     except Exception as exc:  # an audit that cannot run counts the run as failed
@@ -313,15 +337,14 @@ def main(argv: list[str]) -> int:
     records = [r.__dict__ | {"kills": [k.__dict__ for k in r.kills]} for r in results]
     (keep / "chaos.json").write_text(json.dumps(records, indent=1))
     completed = sum(r.completed and not r.error for r in results)
-    kinds = ("lost", "prompts_lost", "trained_twice", "stale_served")
-    total = {k: sum(len(r.audit.get(k, [])) for r in results) for k in kinds}
-    total["lost"] += total.pop("prompts_lost")
+    total = audit_totals([r.audit for r in results])
     max_recovery = max((k.recovery_s or 0.0 for k in kills), default=0.0)
     print(f"runs kept in {keep}")
     print(
         f"chaos-bench: kills={len(kills)} runs_completed={completed}/{len(results)} "
         f"lost={total['lost']} trained_twice={total['trained_twice']} "
-        f"stale_served={total['stale_served']} max_recovery_s={max_recovery:.1f}"
+        f"stale_served={total['stale_served']} prompts_skipped={total['prompts_skipped']} "
+        f"max_recovery_s={max_recovery:.1f}"
     )
     return 0 if completed == len(results) and not any(total.values()) else 1
 
