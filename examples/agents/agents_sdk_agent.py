@@ -32,7 +32,7 @@ from typing import Any
 from agents import (
     Agent,
     FunctionTool,
-    ModelConfig,
+    ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
     Runner,
@@ -69,7 +69,7 @@ async def solve(task: dict[str, Any]) -> None:
     agent = Agent(
         name="solver",
         model=MODEL(model="policy", openai_client=client),
-        model_settings=ModelConfig(parallel_tool_calls=None),
+        model_settings=ModelSettings(parallel_tool_calls=None),
         tools=sdk_tools(task["labels"]),
     )
     messages: list[Any] = [{"role": m["role"], "content": m["content"]} for m in task["messages"]]
