@@ -71,9 +71,9 @@ def test_last_and_following_events(tq: TransferQueue) -> None:
     assert [e.key for e in tq.follow_events(P, "0", count=2)] == ["a", "b"]
     assert [e.key for e in tq.follow_events(P, last_two[0].id, block_ms=10)] == ["c"]
 
-    found: list[list[str]] = []
+    found: list[list[str]] = []  # the block stays below the test client's 5 s socket timeout
     waiter = threading.Thread(
-        target=lambda: found.append([e.key for e in tq.follow_events(P, "$", block_ms=10_000)])
+        target=lambda: found.append([e.key for e in tq.follow_events(P, "$", block_ms=4_000)])
     )
     waiter.start()
     time.sleep(0.2)  # the read is blocked by now
@@ -94,7 +94,7 @@ def test_wait_for_pending_reports_the_last_event_and_whether_work_became_pending
     assert not pending and claimed_id == tq.last_events(P, 1)[0].id != last_id
 
     woken: list[tuple[str, bool]] = []
-    waiter = threading.Thread(target=lambda: woken.append(tq.wait_for_pending(P, block_ms=10_000)))
+    waiter = threading.Thread(target=lambda: woken.append(tq.wait_for_pending(P, block_ms=4_000)))
     waiter.start()
     time.sleep(0.2)
     tq.put_groups(P, groups("b"))
