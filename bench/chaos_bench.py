@@ -260,9 +260,27 @@ def audit_totals(audits: list[dict[str, Any]]) -> dict[str, int]:
     return total
 
 
+def audit_into(result: Any, run_dir: Path, say: Any) -> Any:
+    """Audits a stopped run into `result` (its `audit`, or its `error` when the audit cannot
+    run), says what it found, and returns `result`."""
+    from relayrl.up.audit import audit_run
+
+    try:
+        report = audit_run(run_dir)
+        result.audit = audit_record(report)
+        say(f"  {result.name}: {report.summary()}")
+        for kind in AUDIT_KINDS:
+            for line in result.audit[kind][:5]:
+                say(f"    {kind}: {line}")
+    except Exception as exc:  # an audit that cannot run counts the run as failed
+        result.error = result.error or f"audit failed: {exc}"
+    if result.error:
+        say(f"  {result.name}: FAILED: {result.error}")
+    return result
+
+
 def one_run(name: str, parts: list[str], steps: int, runs_dir: Path, rng: random.Random,
             say: Any) -> RunResult:  # fmt: skip
-    from relayrl.up.audit import audit_run
 
     run = UpRun(runs_dir / name, steps, runs_dir / f"{name}.log")
     result = RunResult(name, completed=False)
@@ -283,18 +301,7 @@ def one_run(name: str, parts: list[str], steps: int, runs_dir: Path, rng: random
         result.error = str(exc)
     finally:
         run.stop()
-    try:
-        report = audit_run(run.run_dir)
-        result.audit = audit_record(report)
-        say(f"  {name}: {report.summary()}")
-        for kind in AUDIT_KINDS:
-            for line in result.audit[kind][:5]:
-                say(f"    {kind}: {line}")
-    except Exception as exc:  # an audit that cannot run counts the run as failed
-        result.error = result.error or f"audit failed: {exc}"
-    if result.error:
-        say(f"  {name}: FAILED: {result.error}")
-    return result
+    return audit_into(result, run.run_dir, say)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_bench import AUDIT_KINDS, ChaosError, UpRun, audit_record, audit_totals, kill_group
+from chaos_bench import ChaosError, UpRun, audit_into, audit_totals, kill_group
 
 from relayrl_testkit.netfault import KINDS, Fault, Faults, Kind, network_of_run
 
@@ -267,7 +267,6 @@ def one_run(name: str, pending: list[Planned], steps: int, runs_dir: Path,
             rate_bytes_s: int, say: Callable[[str], None]) -> RunResult:  # fmt: skip
     """One `relayrl up` run that takes what faults of `pending` it can, stopped and its hosts
     removed whatever happens, then audited."""
-    from relayrl.up.audit import audit_run
     from relayrl.up.hosts import remove_tagged, tag_of
 
     result = RunResult(name, steps)
@@ -283,18 +282,7 @@ def one_run(name: str, pending: list[Planned], steps: int, runs_dir: Path,
     finally:
         run.stop()
         remove_tagged(tag_of(run.process.pid))
-    try:
-        report = audit_run(run.run_dir)
-        result.audit = audit_record(report)
-        say(f"  {name}: {report.summary()}")
-        for kind in AUDIT_KINDS:
-            for line in result.audit[kind][:5]:
-                say(f"    {kind}: {line}")
-    except Exception as exc:  # an audit that cannot run counts the run as failed
-        result.error = result.error or f"audit failed: {exc}"
-    if result.error:
-        say(f"  {name}: FAILED: {result.error}")
-    return result
+    return audit_into(result, run.run_dir, say)
 
 
 def names(value: str, known: tuple[str, ...] | list[str], what: str) -> list[str]:
