@@ -176,8 +176,8 @@ class EvalRecord(Record):
 
     kind: Literal["warm_start", "first_update", "periodic", "final"]
     step: int  # trainer steps completed when it started
-    version: int  # engine weight version at the start (-1: unversioned)
-    version_end: int  # ... and at the end
+    version: int  # the first weight version that served its tokens (-1: tokens no version served)
+    version_end: int  # ... and the last
     n: int
     correct: int
     accuracy: float | None  # greedy; None when the evaluation failed

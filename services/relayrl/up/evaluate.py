@@ -4,8 +4,11 @@ Each held-out question is rolled out with the gateway's own agent loop for the t
 prompt rendering, tool calls and turn budget as training), greedily (temperature 0), and scored
 by the reward-service's scorer for its data_source (`relayrl.up.workload.Judge`). Optionally a
 second pass samples at the training temperature. Requests go straight to the engine, alongside the
-gateway's rollouts; the record names the weight version at the start and at the end, so an
-evaluation that straddles a weight switch is visible as such. Every greedy answer is kept in
+gateway's rollouts; the record names the first and the last weight version that served its
+tokens (from the engine's own version spans), so an evaluation that straddles a weight switch is
+visible as such. Reading the engine's label instead would name no version when an evaluation
+starts or ends while a version loads (the label then says `loading-<n>`), although every token
+was computed by a committed one: the engine is paused while it loads. Every greedy answer is kept in
 `<responses_dir>/<kind>-<step>.jsonl`, so that an accuracy can be read back answer by answer.
 
 A request's deadline follows the engine's measured speed: the time `MAX_CONCURRENT` requests of
@@ -38,6 +41,15 @@ class Answer(Record):
     response: str
     correct: bool
     tokens: int
+    versions: list[int] = []  # the weight versions that served its tokens, in order
+
+
+def served_range(answers: list[Answer], label_start: int, label_end: int) -> tuple[int, int]:
+    """The first and the last weight version that served `answers`' tokens (versions only go
+    forward while an evaluation runs); the engine's labels at the start and the end when no
+    token was generated. -1 is kept: tokens no version served are what an audit must see."""
+    served = [v for a in answers for v in a.versions]
+    return (min(served), max(served)) if served else (label_start, label_end)
 
 
 class Evaluator:
@@ -114,18 +126,19 @@ class Evaluator:
             engine_url, request_timeout_s=self.deadline_s(), token=self.engine_token
         )
         try:
-            version = policy_version(await client.weight_version())
+            label_start = policy_version(await client.weight_version())
             greedy_started = time.monotonic()
             answers = await self._pass(client, 0.0, kind)
             tokens = sum(a.tokens for a in answers)
             self.tokens_per_s = tokens / max(time.monotonic() - greedy_started, 1e-3)
-            sampled = None
+            sampled, sampled_answers = None, []
             if self.sampled:
                 sampled_answers = await self._pass(client, self.temperature, kind)
                 sampled = sum(a.correct for a in sampled_answers) / len(self.records)
-            version_end = policy_version(await client.weight_version())
+            label_end = policy_version(await client.weight_version())
         finally:
             await client.close()
+        version, version_end = served_range(answers + sampled_answers, label_start, label_end)
         self._write_answers(kind, step, answers)
         n = len(self.records)
         correct = sum(a.correct for a in answers)
@@ -179,6 +192,7 @@ class Evaluator:
                 rollout = await loops[record.agent or "single_turn"].run(
                     group, ClientSession(client, group.uid), context
                 )
+            versions = [s.policy_version for s in rollout.spans if s.generated]
             correct = await asyncio.to_thread(
                 self.judge.correct, record.data_source, rollout.response_text,
                 record.ground_truth,
@@ -187,6 +201,7 @@ class Evaluator:
                 index=i, data_source=record.data_source, ground_truth=record.ground_truth,
                 response=rollout.response_text, correct=bool(correct),
                 tokens=int(sum(rollout.response_mask)),
+                versions=list(dict.fromkeys(versions)),
             )  # fmt: skip
 
         # A TaskGroup: one failure (an engine going away) cancels the rest at once.

@@ -162,8 +162,14 @@ def test_partitions_between_parts_heal_without_loss_or_hang(hosts_run: HostsRun)
     report = audit_run(run_dir)
     assert not (report.lost or report.trained_twice or report.prompts_lost), report.summary()
     assert report.prompts["skipped"] == 0, report.summary()
-    if report.stale_served:  # open bug (issue 36): seen in 1 of 4 runs, once in CI
-        pytest.xfail(f"a span served by uncommitted weights after a partition: {report.summary()}")
+    # An evaluation that began while a version loaded was named after the engine's label
+    # (loading-<n>: no version) before it was named after its tokens' versions.
+    evaluations = [x for x in report.stale_served if x.startswith("held-out evaluation")]
+    assert not evaluations, evaluations
+    if report.stale_served:  # issue 36: seen once (in CI) in 4 runs before the fix above, and
+        # not which it was; not seen since in 13 runs, nor in bench-netfault's 4990 spans
+        spans = "; ".join(report.stale_served[:3])
+        pytest.xfail(f"a span served by uncommitted weights after a partition: {spans}")
     assert "Traceback" not in up.output()
     print("progress after each heal (s):", stalls)
 

@@ -14,7 +14,14 @@ from relayrl.core.records import EvalRecord, StepRecord, append_record
 from relayrl.up import progress as up_progress
 from relayrl.up import run as up_run
 from relayrl.up.config import UpConfig
-from relayrl.up.evaluate import DEADLINE_FACTOR, MAX_CONCURRENT, MIN_DEADLINE_S, Evaluator
+from relayrl.up.evaluate import (
+    DEADLINE_FACTOR,
+    MAX_CONCURRENT,
+    MIN_DEADLINE_S,
+    Answer,
+    Evaluator,
+    served_range,
+)
 from relayrl.up.progress import Progress
 from relayrl.up.status import _eval_lines as status_lines_of_evals
 
@@ -133,3 +140,21 @@ def test_progress_says_each_logged_step_once_and_status_says_a_failed_evaluation
     assert status_lines_of_evals(tmp_path) == [
         "held-out: 50.0%@1, FAILED@2 (greedy accuracy at trainer step)"
     ]
+
+
+def answer(versions: list[int]) -> Answer:
+    return Answer(
+        index=0, data_source="arith", ground_truth="4", response="4", correct=True,
+        tokens=len(versions), versions=versions,
+    )  # fmt: skip
+
+
+def test_an_evaluation_names_the_versions_that_served_its_tokens_not_the_loading_label() -> None:
+    # It started while version 3 loaded (the label said loading-3, read as -1), was paused,
+    # and every token came from version 3 once it was committed; one answer straddled 3 -> 4.
+    answers = [answer([3]), answer([3, 4]), answer([])]
+    assert served_range(answers, label_start=-1, label_end=-1) == (3, 4)
+    # No token generated at all: the labels are all there is.
+    assert served_range([answer([])], label_start=2, label_end=2) == (2, 2)
+    # Tokens that no version served stay visible to the audit.
+    assert served_range([answer([-1, 5])], label_start=5, label_end=5) == (-1, 5)
