@@ -16,7 +16,10 @@ drift; each becomes one (response, ground truth, expected verdict, time budget) 
                 truth, wrong within 1 s
     huge        test_math_huge_response_is_linear: wrong within 2 s
 
-`relayrl` is `score_math` (an OK verdict is "right"). `math-verify` is the library as its
+`relayrl` is `score_math` (an OK verdict is "right"): math-verify itself since the scorer
+adopted it, with our answer extraction, cheap comparisons, the rules math-verify gets wrong and
+the limits around it (docs/rewards.md#math); so the table shows what those add. `math-verify`
+is the library as its
 README and verl use it: the ground truth wrapped in `\\boxed{}` unless it has one, both sides
 through `parse` (LaTeX and plain-expression extraction, its defaults) and `verify`, here in
 the main thread so that its SIGALRM timeouts work, set to `--timeout-s`. A side gets a case
@@ -130,6 +133,15 @@ def math_verify_verdict(case: Case, timeout_s: int) -> bool:
     return bool(gold) and verify(gold, answer, timeout_seconds=timeout_s)
 
 
+def _clear_parse_caches() -> None:
+    """math-verify keeps its last parses; both sides parse the same strings, so without this
+    the second side of each case would be timed on the first one's cached parse."""
+    from math_verify import parser
+
+    parser.parse_latex_cached.cache_clear()
+    parser.extract_latex.cache_clear()
+
+
 def _short(text: str, limit: int = 48) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
@@ -147,11 +159,11 @@ def main() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     cases = load_cases()
-    score_math(RewardItem(item_id="w", data_source="math", response="1", ground_truth="1"))
+    score_math(RewardItem(item_id="w", data_source="math", response="2x", ground_truth="x+x"))
     math_verify_verdict(Case("warm-up", r"\boxed{\frac{1}{2}}", "0.5", True), args.timeout_s)
 
     tally: dict[str, Counter[str]] = {group: Counter() for group in GROUPS}
-    seconds = Counter[str]()
+    seconds: dict[str, Counter[str]] = {group: Counter() for group in GROUPS}
     differences: list[str] = []
     for case in cases:
         outcome = {}
@@ -159,10 +171,11 @@ def main() -> None:
             ("relayrl", relayrl_verdict),
             ("math-verify", lambda c: math_verify_verdict(c, args.timeout_s)),
         ):
+            _clear_parse_caches()
             start = time.perf_counter()
             verdict = judge(case)
             elapsed = time.perf_counter() - start
-            seconds[side] += elapsed
+            seconds[case.group][side] += elapsed
             in_time = elapsed <= case.budget_s
             outcome[side] = (verdict == case.right and in_time, verdict, elapsed)
         ours, theirs = outcome["relayrl"][0], outcome["math-verify"][0]
@@ -187,17 +200,24 @@ def main() -> None:
     print("cases where a side is wrong:")
     print("\n".join(differences) or "  none")
     print()
-    print(f"{'group':<10} {'cases':>5} " + " ".join(f"{c:>16}" for c in columns))
+    sides = ("relayrl", "math-verify")
+    header = " ".join(f"{c:>16}" for c in columns) + "".join(f"{s + '_s':>15}" for s in sides)
+    print(f"{'group':<10} {'cases':>5} {header}")
     total = Counter[str]()
+    total_s = Counter[str]()
     for group in GROUPS:
         counts = tally[group]
         total.update(counts)
+        total_s.update(seconds[group])
         row = " ".join(f"{counts[c]:>16}" for c in columns)
+        row += "".join(f"{seconds[group][s]:>15.2f}" for s in sides)
         print(f"{group:<10} {sum(counts.values()):>5} {row}")
-    print(f"{'all':<10} {sum(total.values()):>5} " + " ".join(f"{total[c]:>16}" for c in columns))
+    row = " ".join(f"{total[c]:>16}" for c in columns)
+    row += "".join(f"{total_s[s]:>15.2f}" for s in sides)
+    print(f"{'all':<10} {sum(total.values()):>5} {row}")
     print(
-        f"time over all cases: relayrl {seconds['relayrl']:.1f} s, math-verify "
-        f"{seconds['math-verify']:.1f} s (math-verify timeouts {args.timeout_s} s)"
+        f"seconds per side summed over the cases; math-verify's timeouts {args.timeout_s} s; "
+        f"math-verify/relayrl time {total_s['math-verify'] / total_s['relayrl']:.2f}"
     )
     print("math-verify-compare: " + " ".join(f"{c}={total[c]}" for c in columns))
 
