@@ -25,7 +25,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch bench-math-verify run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -107,13 +107,16 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch bench-math-verify ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
 
 bench-reward: setup ## streamed judge rewards: whole batch vs per item vs micro-batched (docs/rewards.md)
 	$(BIN)/python bench/reward_bench.py
+
+bench-math-verify: setup ## the `math` rule vs math-verify alone on every math rule test case: right/wrong counts, time (~1 min)
+	$(BIN)/python bench/math_verify_compare.py
 
 bench-reward-load: setup ## rule rewards at a fixed offered load: gRPC ScoreStream vs in-process pipeline
 	$(BIN)/python bench/reward_load_bench.py

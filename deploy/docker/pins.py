@@ -66,7 +66,7 @@ IMAGES: dict[str, Image] = {
         roots=("transformers", "jinja2", "aiohttp", "kubernetes"),
         why="tokenizers and chat templates, agent HTTP, EndpointSlice discovery",
     ),
-    "reward": Image(roots=("aiohttp", "sympy"), why="judge clients, math answers"),
+    "reward": Image(roots=("aiohttp", "math-verify"), why="judge clients, math answers"),
     "weightsync": Image(
         roots=("torch", "numpy", "mooncake-transfer-engine-non-cuda"),
         why="buckets in host memory: the lock's CPU torch (numpy: torch warns without it); "

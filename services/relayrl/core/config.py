@@ -508,6 +508,10 @@ def _parse_yaml(text: str, label: str) -> Any:
 
 
 # --- environment overrides -------------------------------------------------------------------
+# pydantic-settings' `env_nested_delimiter` was weighed against these and not taken, because
+# its errors name the field but never the variable, it reads lists as JSON (`[a, b]` fails
+# with "error parsing value for field auth"), leaves `null` a string, lowercases mapping keys
+# (`TOKENS__Alice` becomes `alice`) and reads only os.environ.
 
 
 def _apply_env_overrides(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -233,6 +236,27 @@ def test_normalize_math_answer(raw: str, normal: str) -> None:
         (r"\$5.00", "5"),
         (r"90^\circ", "90"),
         (r"10^{400}", r"10^{401}/10"),  # exact, no float overflow
+        # forms math-verify's parser reads (our own parser refused them)
+        (
+            r"\begin{pmatrix} \frac{1}{2} \\ 2 \end{pmatrix}",
+            r"\begin{pmatrix} 0.5 \\ 2 \end{pmatrix}",
+        ),
+        (r"\binom{5}{2}", "10"),
+        ("5!", "120"),
+        (r"\log_2 8", "3"),
+        (r"\arctan 1", r"\frac{\pi}{4}"),
+        (r"\lfloor 2.5 \rfloor", "2"),
+        ("|-3|", "3"),
+        ("a_1 + a_2", "a_2 + a_1"),
+        (r"\sin^2 x + \cos^2 x", "1"),
+        (r"x \in [1,2]", "[1,2]"),
+        (r"\pm 1", "1, -1"),
+        (r"x = -1 \text{ or } x = 1", r"\pm 1"),
+        ("f(x) = x^2", "x^2"),
+        (r"1.5 \text{ m}^2", "1.5"),
+        (r"\lim_{x\to 0} \frac{\sin x}{x}", "1"),
+        (r"\frac{d}{dx} x^{3}", "3x^{2}"),
+        ("i^2", "-1"),
     ],
 )
 def test_math_equal(predicted: str, expected: str) -> None:
@@ -256,10 +280,54 @@ def test_math_equal(predicted: str, expected: str) -> None:
         ("", "3"),
         ("3", r"\frac{1}{0}"),
         (r"\frac{1}{0}", r"\frac{1}{0}x"),
+        (r"\binom{5}{2}", "20"),
+        (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}1\\3\end{pmatrix}"),
     ],
 )
 def test_math_not_equal(predicted: str, expected: str) -> None:
     assert not math_equal(predicted, expected)
+
+
+def math_verify_alone(predicted: str, expected: str) -> bool:
+    """math-verify as the `math` rule calls it (LaTeX extraction, no timeouts), without our
+    rules around it."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    latex = [LatexExtractionConfig()]
+    gold = parse(rf"\boxed{{{expected}}}", extraction_config=latex, parsing_timeout=None)
+    answer = parse(rf"\boxed{{{predicted}}}", extraction_config=latex, parsing_timeout=None)
+    return verify(gold, answer, timeout_seconds=None)
+
+
+@pytest.mark.parametrize(
+    ("predicted", "expected", "equal"),
+    [
+        ("no", "on", False),
+        ("(1,2)", "1,2", False),
+        ("(1,2)", r"\{1,2\}", False),
+        (r"50\%", "0.5", False),
+        (r"\frac{100}{2}\%", "0.5", False),
+        (r"e^{i\pi}", "-1", True),
+        (r"1\,000", "1000", True),
+        ("5.", "5", True),
+    ],
+    ids=[
+        "a-word-is-not-a-product-of-variables",
+        "a-tuple-is-not-a-list-of-solutions",
+        "a-tuple-is-not-a-set",
+        "a-percent-sign-is-dropped",
+        "a-percent-sign-is-dropped-before-math-verify",
+        "i-is-the-imaginary-unit",
+        "a-thin-space-separates-thousands",
+        "a-trailing-period-is-punctuation",
+    ],
+)
+def test_math_keeps_our_rule_where_math_verify_alone_is_wrong(
+    predicted: str, expected: str, equal: bool
+) -> None:
+    # If math-verify starts getting one right, the rule of ours that covers it can go.
+    assert math_verify_alone(predicted, expected) is not equal
+    assert math_equal(predicted, expected) is equal
 
 
 @pytest.mark.parametrize(
@@ -292,6 +360,10 @@ def test_score_math_without_ground_truth_is_invalid(ground_truth: str) -> None:
         score_math(item(r"\boxed{5}", ground_truth, "math"))
 
 
+# sympy's code for a number literal, as its parse_expr builds it from a number token
+SYMPY_NUMBER = re.compile(r"(?:Integer|Float) \('?[0-9.E+-]+'? \)")
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -307,15 +379,30 @@ def test_score_math_without_ground_truth_is_invalid(ground_truth: str) -> None:
 def test_math_injection_is_never_evaluated(
     payload: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    def no_eval(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the scorer must never eval the answer")
+    # sympy runs code of its own through exec (its imports, helpers it generates) and, when the
+    # LaTeX parser hands it a number token, evaluates that literal (`Integer (1 )`): that is
+    # all that may reach eval or exec. Refused calls are recorded as well as raised, since a
+    # library's `except Exception` would swallow the raise.
+    refused: list[str] = []
+
+    def watched(real: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def call(code: object, *args: object, **kwargs: object) -> Any:
+            if isinstance(code, str) and (
+                payload in code or (kind == "eval" and not SYMPY_NUMBER.fullmatch(code))
+            ):
+                refused.append(code)
+                raise AssertionError(f"the scorer must never {kind} the answer")
+            return real(code, *args, **kwargs)
+
+        return call
 
     import builtins
 
-    monkeypatch.setattr(builtins, "eval", no_eval)
-    monkeypatch.setattr(builtins, "exec", no_eval)
+    monkeypatch.setattr(builtins, "eval", watched(builtins.eval, "eval"))
+    monkeypatch.setattr(builtins, "exec", watched(builtins.exec, "exec"))
     verdict = score_math(item(rf"\boxed{{{payload}}}", "0", "math"))
     assert_wrong(verdict)
+    assert refused == []
     assert "pwned" not in capfd.readouterr().out
 
 
@@ -451,6 +538,19 @@ def test_naive_dispatches_by_data_source() -> None:
     assert_wrong(score(manager, item("the result is 9", "9", "arith")))
     flexible = score(manager, item("the result is 9", "9", "gsm8k"))
     assert (flexible.score, flexible.status) == (GSM8K_FLEXIBLE_SCORE, Status.OK)
+
+
+def test_naive_scores_math_symbolically_off_the_event_loop() -> None:
+    # score() runs the math rule in a worker thread (asyncio.to_thread), where math-verify's
+    # own SIGALRM timeouts cannot work: the comparison must still run, and be right.
+    manager = naive()
+    assert_correct(
+        score(manager, item(r"\boxed{\frac{\sqrt{3}}{3}}", r"\frac{1}{\sqrt{3}}", "math"))
+    )
+    assert_wrong(score(manager, item(r"\boxed{(x+1)^3}", "x^2+2x+1", "math")))
+    hostile = score(manager, item(r"\boxed{9^{9^{9}}}", "1", "math"))
+    assert_wrong(hostile)
+    assert "not compared: a power too large to compute" in hostile.message
 
 
 def test_naive_score_batch_keeps_order_and_isolates_failures() -> None:

@@ -10,27 +10,24 @@ cannot be judged at all (no ground truth, a ground truth that is not an answer) 
 `RULE_SCORERS` is a closed, read-only table: adding a data source means adding a function here
 (or writing a manager of one's own), never registering one at import time somewhere else.
 
-Math answers are compared symbolically with sympy, which is imported only when a comparison
-needs it (string and plain-number comparisons settle most items without it). The policy's
-text is untrusted: it is never handed to `eval` (sympy's `parse_expr` uses `eval`, so it is not
-used); a small parser of our own turns a whitelisted, length-capped expression into sympy
-objects, and powers whose result would be huge (`9^{9^{9}}`) are refused before sympy
-computes them, so a hostile answer costs milliseconds and fails.
+The `math` rule's contract is ours: what part of a response is its final answer (the last
+`\\boxed{}`, else the text after the last "answer is"), what part of a ground truth is the
+answer, and the answer forms our rules settle without sympy (strings, plain numbers, words,
+tuples vs lists; see `compare_math`). The symbolic equivalence of what is left is Hugging
+Face's math-verify (`symbolic`), imported only when a comparison needs it. The policy's text is
+untrusted: only math-verify's LaTeX parser reads it (never sympy's `parse_expr`, which uses
+`eval`), and limits in `symbolic` make a hostile answer (`9^{9^{9}}`) fail in milliseconds and
+bound any comparison by a deadline, in whichever thread it runs.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from fractions import Fraction
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
 
 from relayrl.reward.items import InvalidItem, RewardItem, Status, Verdict
-
-if TYPE_CHECKING:
-    import sympy
 
 RuleScorer = Callable[[RewardItem], Verdict]
 
@@ -40,22 +37,9 @@ MESSAGE_QUOTE_CHARS = 80
 MAX_ANSWER_CHARS = 2000
 # Longest number read as a plain number (Python refuses int() of over 4300 digits).
 MAX_NUMBER_CHARS = 100
-# Longest expression handed to the symbolic comparison, after LaTeX is turned into plain syntax.
-MAX_SYMBOLIC_CHARS = 200
-# Relative tolerance of numeric comparisons (0.5 vs \frac{1}{2}, 3.14159265 vs \pi).
+# Relative tolerance of plain-number comparisons (0.3333333 vs \frac{1}{3}).
 NUMERIC_REL_TOL = 1e-6
 NUMERIC_ABS_TOL = 1e-9
-# Bounds that keep sympy's work small on hostile input (see `_safe_pow`).
-MAX_LITERAL_DIGITS = 60
-MAX_POWER_BITS = 40_000  # a rational raised to an integer may have about this many bits
-MAX_RATIONAL_EXPONENT = 10_000  # |n| of rational ** n
-MAX_SYMBOLIC_EXPONENT = 64  # |n| of x ** n, (1 + sqrt(2)) ** n
-MAX_EXPONENT_ATOM = 10**6  # numbers inside a non-numeric exponent (2^{100\pi}) or sin()
-MAX_TUPLE_ELEMENTS = 20
-MAX_SIMPLIFY_OPS = 120
-# Points where expressions with free symbols are evaluated before sympy's simplify is asked:
-# fixed, so the same answer always gets the same reward.
-SPOT_CHECK_VALUES = (0.5772156649, 1.3247179572, 2.2360679775, -0.8346268417)
 
 
 def _verdict(correct: bool, extracted: str, expected: str, note: str = "") -> Verdict:
@@ -402,6 +386,8 @@ def normalize_math_answer(answer: str) -> str:
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d+)?|\.\d+)")
 _PLAIN_FRACTION = re.compile(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}")
 _BRACKETS = {"(": ")", "[": "]"}
+# A run of letters is a word ("no", "yes"), never a product of variables (n*o == o*n).
+_WORD = re.compile(r"[A-Za-z]{2,}")
 
 
 def _plain_number(text: str) -> Fraction | None:
@@ -417,31 +403,20 @@ def _plain_number(text: str) -> Fraction | None:
 
 def _numbers_close(a: Fraction, b: Fraction) -> bool:
     """Integers compare exactly (1000001 is not 1000000); anything else within the relative
-    tolerance (0.3333333 is 1/3). Exact arithmetic, so 10^{400} does not overflow."""
+    tolerance (0.3333333 is 1/3)."""
     if a.denominator == 1 and b.denominator == 1:
         return a == b
     tolerance = max(Fraction(NUMERIC_REL_TOL) * max(abs(a), abs(b)), Fraction(NUMERIC_ABS_TOL))
     return abs(a - b) <= tolerance
 
 
-def _complex_close(a: complex, b: complex) -> bool:
-    return abs(a - b) <= max(NUMERIC_REL_TOL * max(abs(a), abs(b)), NUMERIC_ABS_TOL)
-
-
-def _split_top_level(text: str, separator: str) -> list[str]:
-    """`text` split at `separator` outside (), [], {} (and `\\{ \\}`)."""
-    parts: list[str] = []
+def _has_top_level_comma(text: str) -> bool:
+    """Whether `text` has a comma outside (), [], {} (and `\\{ \\}`)."""
     depth = 0
-    start = 0
     i = 0
     while i < len(text):
-        if text.startswith(separator, i) and depth == 0:
-            parts.append(text[start:i])
-            i += len(separator)
-            start = i
-            continue
         char = text[i]
-        if char == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
+        if char == "\\" and text[i + 1 : i + 2] in ("{", "}"):
             depth += 1 if text[i + 1] == "{" else -1
             i += 2
             continue
@@ -449,30 +424,21 @@ def _split_top_level(text: str, separator: str) -> list[str]:
             depth += 1
         elif char in ")]}":
             depth -= 1
+        elif char == "," and depth == 0:
+            return True
         i += 1
-    parts.append(text[start:])
-    return parts
+    return False
 
 
-def _sequence(text: str) -> tuple[str, str, list[str]] | None:
-    """A tuple, interval, set or list: (opening, closing, elements), or None. Unbracketed
-    lists ("1,-2") come back with empty brackets."""
+def _sequence_kind(text: str) -> tuple[str, str] | None:
+    """The brackets of a tuple or interval ("(", "]"), ("", "") for a set or an unbracketed
+    list (all solutions, in any order), None for anything else."""
     for left, right in (("\\{", "\\}"), *_BRACKETS.items(), ("(", "]"), ("[", ")")):
         if text.startswith(left) and text.endswith(right) and len(text) > len(left + right):
             inner = text[len(left) : -len(right)]
-            if _balanced(inner):
-                elements = _split_top_level(inner, ",")
-                if len(elements) > 1 or left == "\\{":
-                    return left, right, elements
-    elements = _split_top_level(text, ",")
-    if len(elements) > 1:
-        return "", "", elements
-    return None
-
-
-def _kind(sequence: tuple[str, str, list[str]]) -> tuple[str, str]:
-    """A set `\\{1,2\\}` and a bare list `1, 2` (all solutions) are the same kind: unordered."""
-    return ("", "") if sequence[0] == "\\{" else sequence[:2]
+            if _balanced(inner) and (left == "\\{" or _has_top_level_comma(inner)):
+                return ("", "") if left == "\\{" else (left, right)
+    return ("", "") if _has_top_level_comma(text) else None
 
 
 def _balanced(text: str) -> bool:
@@ -486,437 +452,56 @@ def _balanced(text: str) -> bool:
 
 
 def math_equal(predicted: str, expected: str) -> bool:
-    """Whether two final answers are the same: as normalised strings (text case-insensitively),
-    as numbers (relative tolerance 1e-6), element by element for tuples and intervals (sets
-    and unbracketed lists in any order), else symbolically (sympy's simplify of the difference
-    is 0)."""
+    """Whether a final answer is the same as the ground truth's (see `compare_math`)."""
+    return compare_math(predicted, expected)[0]
+
+
+def compare_math(predicted: str, expected: str) -> tuple[bool, str]:
+    """Whether a final answer is the same as the ground truth's, and why it was not compared
+    when it was refused (empty otherwise).
+
+    Our rules settle what they can without sympy: equal normalised strings, text
+    case-insensitively, plain numbers (integers exactly, others within a relative 1e-6). Two
+    they keep from math-verify, which gets them wrong: a word is not a product of variables
+    (`no` is not `on`), and a tuple, an interval and a set or list of solutions are different
+    answers even with the same elements (`(1,2)` is not `1,2`). Everything else is math-verify's
+    symbolic comparison, behind limits (`symbolic`)."""
     if len(predicted) > MAX_ANSWER_CHARS or len(expected) > MAX_ANSWER_CHARS:
-        return False
-    return _equal(normalize_math_answer(predicted), normalize_math_answer(expected), depth=0)
-
-
-def _equal(a: str, b: str, depth: int) -> bool:
+        return False, f"over {MAX_ANSWER_CHARS} characters"
+    a, b = normalize_math_answer(predicted), normalize_math_answer(expected)
     if a == b:
-        return True
+        return True, ""
     if not a or not b:
-        return False
+        return False, ""
     if a.casefold() == b.casefold() and not re.search(r"[\d\\]", b):
-        return True  # a textual answer ("Monday", "(C)")
-    if depth < 3:
-        unions = _split_top_level(a, "\\cup"), _split_top_level(b, "\\cup")
-        if len(unions[0]) > 1 or len(unions[1]) > 1:
-            return len(unions[0]) == len(unions[1]) and all(
-                _equal(x, y, depth + 1) for x, y in zip(*unions, strict=True)
-            )
-        seq_a, seq_b = _sequence(a), _sequence(b)
-        if seq_a is not None or seq_b is not None:
-            return _sequences_equal(seq_a, seq_b, depth)
+        return True, ""  # a textual answer ("Monday", "(C)")
     num_a, num_b = _plain_number(a), _plain_number(b)
     if num_a is not None and num_b is not None:
-        return _numbers_close(num_a, num_b)
-    return _symbolic_equal(a, b)
+        return _numbers_close(num_a, num_b), ""
+    if _WORD.fullmatch(a) or _WORD.fullmatch(b):
+        return False, ""
+    kind_a, kind_b = _sequence_kind(a), _sequence_kind(b)
+    if kind_a is not None and kind_b is not None and kind_a != kind_b:
+        return False, ""
+    # Lazy: importing sympy and math-verify takes about a second, and most answers are settled
+    # above (the reward-service's config imports this module).
+    from relayrl.reward.managers import symbolic
 
-
-def _sequences_equal(
-    a: tuple[str, str, list[str]] | None, b: tuple[str, str, list[str]] | None, depth: int
-) -> bool:
-    if a is None or b is None or _kind(a) != _kind(b) or len(a[2]) != len(b[2]):
-        return False
-    left = _kind(a)[0]
-    elems_a = a[2]
-    elems_b = b[2]
-    if len(elems_a) > MAX_TUPLE_ELEMENTS:
-        return False
-    elems_a = [normalize_math_answer(x) for x in elems_a]
-    elems_b = [normalize_math_answer(x) for x in elems_b]
-    if all(_equal(x, y, depth + 1) for x, y in zip(elems_a, elems_b, strict=True)):
-        return True
-    if left:  # tuples and intervals are ordered
-        return False
-    unmatched = list(elems_b)
-    for x in elems_a:
-        match = next((i for i, y in enumerate(unmatched) if _equal(x, y, depth + 1)), None)
-        if match is None:
-            return False
-        unmatched.pop(match)
-    return True
-
-
-# --------------------------------------------------------------------------------------------
-# math: LaTeX -> plain expression -> sympy (no eval)
-# --------------------------------------------------------------------------------------------
-
-
-class _Unparseable(Exception):
-    """The answer is not an expression the symbolic comparison accepts."""
-
-
-_SIMPLE_COMMANDS = {
-    "pi": " pi ",
-    "infty": " oo ",
-    "cdot": "*",
-    "times": "*",
-    "ast": "*",
-    "div": "/",
-    "ln": " log ",
-    "log": " log ",
-    "sin": " sin ",
-    "cos": " cos ",
-    "tan": " tan ",
-    "exp": " exp ",
-}
-_NAMES = ("sqrt", "exp", "log", "sin", "cos", "tan", "ln", "pi", "oo")
-_PLAIN_WHITELIST = re.compile(r"[0-9a-zA-Z+\-*/^(). ]*")
-_COMMAND = re.compile(r"\\([a-zA-Z]+)")
-
-
-def latex_to_plain(text: str) -> str:
-    """`\\frac{a}{b}` -> `((a)/(b))`, `\\sqrt[n]{x}` -> `((x)^(1/(n)))`, `\\pi` -> `pi`,
-    `\\cdot` -> `*`, braces -> parentheses; raises _Unparseable on anything else (subscripts,
-    `!`, `=`, unknown commands)."""
-    out: list[str] = []
-    i = 0
-    while i < len(text):
-        char = text[i]
-        if char == "\\":
-            piece, i = _convert_command(text, i)
-            out.append(piece)
-        elif char == "^":
-            i += 1
-            if i < len(text) and text[i] == "{":
-                group = _brace_group(text, i)
-                if group is None:
-                    raise _Unparseable("unbalanced braces")
-                out.append("^(" + latex_to_plain(group[0]) + ")")
-                i = group[1]
-            elif i < len(text) and text[i] == "\\":
-                piece, i = _convert_command(text, i)
-                out.append("^(" + piece + ")")
-            elif i < len(text):
-                out.append("^(" + text[i] + ")")  # TeX: x^23 is x^2 * 3
-                i += 1
-            else:
-                raise _Unparseable("dangling ^")
-        elif char in "{}":
-            out.append("(" if char == "{" else ")")
-            i += 1
-        else:
-            out.append(char)
-            i += 1
-    plain = "".join(out)
-    if not _PLAIN_WHITELIST.fullmatch(plain):
-        raise _Unparseable("characters outside the whitelist")
-    return plain
-
-
-def _convert_command(text: str, start: int) -> tuple[str, int]:
-    match = _COMMAND.match(text, start)
-    if match is None:
-        raise _Unparseable(f"unsupported {text[start : start + 2]!r}")
-    name, i = match.group(1), match.end()
-    if name in _SIMPLE_COMMANDS:
-        return _SIMPLE_COMMANDS[name], i
-    if name == "frac":
-        numerator, i = _required_group(text, i)
-        denominator, i = _required_group(text, i)
-        return f"(({latex_to_plain(numerator)})/({latex_to_plain(denominator)}))", i
-    if name == "sqrt":
-        index = None
-        if text.startswith("[", i):
-            close = text.find("]", i)
-            if close < 0:
-                raise _Unparseable("unclosed \\sqrt[")
-            index, i = text[i + 1 : close], close + 1
-        radicand, i = _required_group(text, i)
-        if index is None:
-            return f"sqrt({latex_to_plain(radicand)})", i
-        return f"(({latex_to_plain(radicand)})^(1/({latex_to_plain(index)})))", i
-    raise _Unparseable(f"unsupported command \\{name}")
-
-
-def _required_group(text: str, start: int) -> tuple[str, int]:
-    while start < len(text) and text[start] == " ":
-        start += 1
-    group = _brace_group(text, start)
-    if group is None:
-        raise _Unparseable("a command's argument is not a {...} group")
-    return group
-
-
-_TOKEN = re.compile(
-    r"\s*(?:(?P<number>\d+(?:\.\d*)?|\.\d+)|(?P<letters>[a-zA-Z]+)|(?P<op>[-+*/^()]))"
-)
-
-
-def _tokens(plain: str) -> list[tuple[str, str]]:
-    """(kind, text) tokens; letter runs are split into known names and single letters. A run of
-    letters only ("no", "yes") is a word, not a product of variables."""
-    if re.fullmatch(r"\s*[a-zA-Z]{2,}\s*", plain) and plain.strip() not in _NAMES:
-        raise _Unparseable("a word, not an expression")
-    tokens: list[tuple[str, str]] = []
-    plain = plain.replace("**", "^")
-    position = 0
-    while position < len(plain):
-        match = _TOKEN.match(plain, position)
-        if match is None:
-            if plain[position:].strip():
-                raise _Unparseable(f"unexpected {plain[position]!r}")
-            break
-        position = match.end()
-        if match["number"] is not None:
-            if len(match["number"]) > MAX_LITERAL_DIGITS:
-                raise _Unparseable("a number literal is too long")
-            tokens.append(("number", match["number"]))
-        elif match["op"] is not None:
-            tokens.append(("op", match["op"]))
-        else:
-            tokens.extend(_split_letters(match["letters"]))
-    return tokens
-
-
-def _split_letters(run: str) -> list[tuple[str, str]]:
-    out = []
-    i = 0
-    while i < len(run):
-        name = next((n for n in _NAMES if run.startswith(n, i)), None)
-        if name is not None:
-            out.append(("name", name))
-            i += len(name)
-        else:
-            out.append(("name", run[i]))
-            i += 1
-    return out
-
-
-class _Parser:
-    """Recursive descent over +, -, *, /, ^, unary minus, implicit multiplication (`2x`,
-    `2(x+1)`, `x y`), parentheses, sqrt/exp/log/ln/sin/cos/tan, and the constants pi, e, i
-    (and I), oo; builds sympy objects directly, so nothing is ever evaluated as Python."""
-
-    def __init__(self, tokens: list[tuple[str, str]], sp: Any) -> None:
-        self.tokens = tokens
-        self.position = 0
-        self.sp = sp
-
-    def parse(self) -> sympy.Expr:
-        if not self.tokens:
-            raise _Unparseable("empty expression")
-        expr = self.expression()
-        if self.position != len(self.tokens):
-            raise _Unparseable(f"unexpected {self.tokens[self.position][1]!r}")
-        return expr
-
-    def peek(self) -> tuple[str, str] | None:
-        return self.tokens[self.position] if self.position < len(self.tokens) else None
-
-    def take(self, op: str) -> bool:
-        if self.peek() == ("op", op):
-            self.position += 1
-            return True
-        return False
-
-    def expression(self) -> sympy.Expr:
-        expr = self.term()
-        while True:
-            if self.take("+"):
-                expr = expr + self.term()
-            elif self.take("-"):
-                expr = expr - self.term()
-            else:
-                return expr
-
-    def term(self) -> sympy.Expr:
-        expr = self.unary()
-        while True:
-            token = self.peek()
-            if self.take("*"):
-                expr = expr * self.unary()
-            elif self.take("/"):
-                divisor = self.unary()
-                if divisor == 0:
-                    raise _Unparseable("division by zero")
-                expr = expr / divisor
-            elif token is not None and (token[0] != "op" or token[1] == "("):
-                expr = expr * self.power()  # implicit multiplication
-            else:
-                return expr
-
-    def unary(self) -> sympy.Expr:
-        if self.take("-"):
-            return -self.unary()
-        if self.take("+"):
-            return self.unary()
-        return self.power()
-
-    def power(self) -> sympy.Expr:
-        base = self.primary()
-        if self.take("^"):
-            return _safe_pow(self.sp, base, self.unary())
-        return base
-
-    def primary(self) -> sympy.Expr:
-        sp = self.sp
-        token = self.peek()
-        if token is None:
-            raise _Unparseable("the expression ends early")
-        kind, text = token
-        self.position += 1
-        if kind == "number":
-            return sp.Rational(text)
-        if kind == "op":
-            if text != "(":
-                raise _Unparseable(f"unexpected {text!r}")
-            expr = self.expression()
-            if not self.take(")"):
-                raise _Unparseable("unbalanced parentheses")
-            return expr
-        functions = {
-            "sqrt": sp.sqrt,
-            "exp": sp.exp,
-            "log": sp.log,
-            "ln": sp.log,
-            "sin": sp.sin,
-            "cos": sp.cos,
-            "tan": sp.tan,
-        }
-        if text in functions:
-            # `\\sqrt{3}^2` is (sqrt 3)^2: the argument is one primary, the power applies after
-            argument = self.primary()
-            if text not in ("sqrt", "log", "ln"):
-                _check_growth_argument(sp, argument)
-            return functions[text](argument)
-        constants = {"pi": sp.pi, "e": sp.E, "i": sp.I, "I": sp.I, "oo": sp.oo}
-        if text in constants:
-            return constants[text]
-        return sp.Symbol(text)
-
-
-def _bits(value: Any) -> int:
-    return int(value.p).bit_length() + int(value.q).bit_length()
-
-
-def _safe_pow(sp: Any, base: sympy.Expr, exponent: sympy.Expr) -> sympy.Expr:
-    """base ** exponent, refused when sympy would compute a huge number or expand a huge
-    power: `9^{9^{9}}`, `x^{1000}`, `2^{10^{6}x}`."""
-    if exponent.is_Number:
-        if not exponent.is_Rational:
-            raise _Unparseable("a non-rational numeric exponent")
-        size = abs(exponent)
-        if exponent.q > MAX_SYMBOLIC_EXPONENT:
-            raise _Unparseable("an exponent with a large denominator")
-        if base.is_Rational:
-            if size > MAX_RATIONAL_EXPONENT or _bits(base) * size > MAX_POWER_BITS:
-                raise _Unparseable("a power too large to compute")
-        elif size > MAX_SYMBOLIC_EXPONENT:
-            raise _Unparseable("a power of an expression with a large exponent")
-    else:
-        _check_growth_argument(sp, exponent)
-    return sp.Pow(base, exponent)
-
-
-def _check_growth_argument(sp: Any, argument: sympy.Expr) -> None:
-    """The argument of exp, sin, cos, tan or a symbolic exponent holds no other exponential
-    and only moderate numbers: evaluating `e^{e^{e^{100}}}` or `\\sin(e^{10^{6}})` needs
-    astronomically many digits, and would never finish."""
-    for atom in argument.atoms(sp.Rational):
-        if abs(atom.p) > MAX_EXPONENT_ATOM or atom.q > MAX_EXPONENT_ATOM:
-            raise _Unparseable("a large number inside an exponent or a function")
-    if argument.has(sp.exp) or any(not p.exp.is_Number for p in argument.atoms(sp.Pow)):
-        raise _Unparseable("an exponential inside an exponent or a function (a tower)")
-
-
-def parse_math_expression(text: str) -> sympy.Expr:
-    """A normalised answer as a sympy expression, or _Unparseable. Only a plain expression of
-    at most MAX_SYMBOLIC_CHARS whitelisted characters reaches the parser, and the parser
-    builds sympy objects itself (no eval)."""
-    if len(text) > 2 * MAX_SYMBOLIC_CHARS:
-        raise _Unparseable("too long for a symbolic comparison")
-    plain = latex_to_plain(text)
-    if len(plain) > MAX_SYMBOLIC_CHARS:
-        raise _Unparseable("too long for a symbolic comparison")
-    import sympy as sp  # lazy: most answers compare as strings or plain numbers
-
-    expr = _Parser(_tokens(plain), sp).parse()
-    # sympy merges powers as it builds (x^{64}x^{64} is x^{128}, ((1+\\sqrt{2})^{64})^{64} is
-    # (1+\\sqrt{2})^{4096}): check the result too, or simplify would expand it for seconds.
-    for power in expr.atoms(sp.Pow):
-        large = power.exp.is_Number and abs(power.exp) > MAX_SYMBOLIC_EXPONENT
-        if large and not power.base.is_Rational:
-            raise _Unparseable("a power of an expression with a large exponent")
-    return expr
-
-
-def _symbolic_equal(a: str, b: str) -> bool:
-    # sympy raises many kinds of exception on odd input (and deep nesting, RecursionError):
-    # an answer that cannot be shown equal is not equal, never a scorer failure.
-    try:
-        return _expressions_equal(parse_math_expression(a), parse_math_expression(b))
-    except Exception:
-        return False
-
-
-def _numeric(expr: Any, sp: Any) -> complex | None:
-    value = sp.N(expr, 30)
-    if not value.is_number or value.has(sp.oo, -sp.oo, sp.zoo, sp.nan):
-        return None
-    result = complex(value)
-    if not (math.isfinite(result.real) and math.isfinite(result.imag)):
-        return None
-    return result
-
-
-def _expressions_equal(a: sympy.Expr, b: sympy.Expr) -> bool:
-    import sympy as sp
-
-    if a == b:
-        return True
-    symbols = sorted(a.free_symbols | b.free_symbols, key=lambda s: s.name)
-    if not symbols:
-        if a.has(sp.oo, sp.zoo, sp.nan) or b.has(sp.oo, sp.zoo, sp.nan):
-            return False  # infinities compare structurally only (done above)
-        if a.is_Rational and b.is_Rational:
-            return _numbers_close(Fraction(int(a.p), int(a.q)), Fraction(int(b.p), int(b.q)))
-        value_a, value_b = _numeric(a, sp), _numeric(b, sp)
-        # A side too large for a float (e^{2187}) is equal only structurally (checked above):
-        # sympy's simplify can spend minutes on such numbers.
-        return value_a is not None and value_b is not None and _complex_close(value_a, value_b)
-    # Cheap rejection first: different expressions almost always differ at a fixed point. A
-    # point where either side has no finite value (a pole, an overflow) counts as a
-    # difference: equal answers of sane size have values at these irrational-looking points.
-    for shift in range(len(SPOT_CHECK_VALUES)):
-        point = {
-            s: SPOT_CHECK_VALUES[(shift + k) % len(SPOT_CHECK_VALUES)]
-            for k, s in enumerate(symbols)
-        }
-        value_a = _numeric(a.subs(point), sp)
-        value_b = _numeric(b.subs(point), sp)
-        if value_a is None or value_b is None or not _complex_close(value_a, value_b):
-            return False
-    return _simplifies_to_zero(a - b, sp)
-
-
-def _simplifies_to_zero(difference: Any, sp: Any) -> bool:
-    """`simplify(a - b) == 0`, on a difference small enough for simplify to finish quickly
-    (the cheap `expand` settles polynomials first)."""
-    if difference == 0:
-        return True
-    if sp.count_ops(difference) > MAX_SIMPLIFY_OPS:
-        return False
-    if sp.expand(difference) == 0:
-        return True
-    return bool(sp.simplify(difference) == 0)
+    comparison = symbolic.answers_equal(predicted, expected)
+    return comparison.equal, comparison.refused
 
 
 def score_math(item: RewardItem) -> Verdict:
     """MATH-style final answer: the last `\\boxed{}` (or "answer is ...") is equivalent to the
-    ground truth's answer (see `math_equal`)."""
+    ground truth's answer (see `compare_math`)."""
     expected = math_ground_truth(_require_ground_truth(item))
     if not expected:
         raise InvalidItem(f"item {item.item_id!r}: the ground truth holds no answer")
     answer = extract_math_answer(item.response)
     if answer is None:
         return _no_answer("\\boxed{} or 'answer is'", expected)
-    return _verdict(math_equal(answer, expected), answer, expected)
+    equal, refused = compare_math(answer, expected)
+    return _verdict(equal, answer, expected, f"not compared: {refused}" if refused else "")
 
 
 # --------------------------------------------------------------------------------------------
