@@ -573,3 +573,9 @@ class AsyncTransferQueue(QueueOperations):
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

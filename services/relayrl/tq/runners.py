@@ -7,6 +7,7 @@ the arguments and the decoding are the operation's, once for both."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from typing import Any, Generic, Protocol, TypeVar
@@ -84,10 +85,19 @@ class AsyncRunner:
         self.scripts = load_scripts(client)
 
     async def run(self, steps: Steps[R]) -> R:
+        task = asyncio.current_task()
+        assert task is not None, "an AsyncTransferQueue operation runs in a task"
         drive = Drive(steps)
         while (step := drive.next()) is not None:
+            cancels = task.cancelling()
             with drive.answer(step):
                 drive.reply = await step.send(self.client, self.scripts)
+            if task.cancelling() > cancels:
+                # Cancelled during the step, which still returned: Python 3.11's
+                # asyncio.wait_for, which redis.asyncio sends a command under (its socket
+                # timeout), drops a cancellation that lands as the send completes. Raised here,
+                # as it would have been, or a cancelled loop would go on for ever.
+                raise asyncio.CancelledError
         return drive.result
 
 
