@@ -92,16 +92,16 @@ class ConsumerOperations:
         new ones (waiting up to `block_s` when there is nothing at all)."""
         if count < 1:
             raise InvalidInputError(f"count must be >= 1, got {count}")
+        block_ms = self._tq._block_ms(max(1, round(block_s * 1000)))  # checked before any I/O
         events = yield from self._reclaim(count)
         if len(events) < count:
-            block_ms = None if events else self._tq._block_ms(max(1, round(block_s * 1000)))
             reply = yield command(
                 "xreadgroup",
                 self.group,
                 self.reader,
                 {self.stream: ">"},
                 count=count - len(events),
-                block=block_ms,
+                block=None if events else block_ms,
             )
             for _, entries in reply or []:
                 wanted = yield from self._wanted(entries)
