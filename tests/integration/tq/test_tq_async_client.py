@@ -19,12 +19,14 @@ from relayrl.tq import (
     ConflictError,
     EventConsumer,
     IllegalTransitionError,
-    InvalidInputError,
-    StaleClaimError,
     TQConfig,
     TQUnavailableError,
     TrajectoryPut,
     TransferQueue,
+)
+from relayrl.tq.errors import (
+    InvalidInputError,
+    StaleClaimError,
     UnknownKeyError,
     UnknownPartitionError,
 )
