@@ -1,37 +1,50 @@
 """TransferQueue vs raw pipelined redis-py, side by side, on 2048-token trajectories.
 
-Both sides move the same bytes through the same private redis-server (AOF everysec) for the
+Every side moves the same bytes through the same private redis-server (AOF everysec) for the
 same pipeline, one round = `--groups` prompt groups of `--samples` trajectories:
 
-    tq:  put_groups -> claim_groups -> put_trajectories -> reward consumer (read events,
-         get_trajectories, score_trajectories, ack) -> consume(step) + get_groups
-    raw: pipelined SET of each group's bytes -> pipelined SET of each trajectory's bytes ->
-         pipelined GET of the trajectories + SET of their rewards (the scorer) ->
-         pipelined GET of the groups, trajectories and rewards (the trainer)
+    tq:    put_groups -> claim_groups -> put_trajectories -> reward consumer (read events,
+           get_trajectories, score_trajectories, ack) -> consume(step) + get_groups,
+           through the asyncio client (AsyncTransferQueue, what the gateway and the
+           reward-service use) and, as `sync`, through TransferQueue (the trainer's)
+    raw:   pipelined SET of each group's bytes -> pipelined SET of each trajectory's bytes ->
+           pipelined GET of the trajectories + SET of their rewards (the scorer) ->
+           pipelined GET of the groups, trajectories and rewards (the trainer), on redis-py's
+           sync client
 
 Serialising messages before a write and parsing them after a read are on both sides (a real
 consumer must parse what it reads), so the ratio is what the queue's bookkeeping costs: status
 checks, the atomic transitions, indexes, events, acks, validation and idempotency digests.
-Runs alternate which side goes first, each on an empty Redis, so that noise on this shared
-machine hits both alike.
+Runs rotate which side goes first, each on an empty Redis, so that noise on this shared
+machine hits all alike.
 
 The last line is exactly: tq-bench: ratio=<tq_rate/raw_rate> tq=<N>/s raw=<M>/s
-(rates in trajectories per second, the median over the runs).
+(rates in trajectories per second, the median over the runs; tq is the asyncio client's). The
+line before it gives the sync client's ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import redis
 
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import EventConsumer, TrajectoryPut, TransferQueue
+from relayrl.tq import (
+    AsyncEventConsumer,
+    AsyncTransferQueue,
+    EventConsumer,
+    TrajectoryPut,
+    TransferQueue,
+)
 from relayrl.tq.server import RedisServer
 
 PARTITION = "train"
@@ -78,25 +91,63 @@ def reward_for(traj: common_pb2.Trajectory) -> common_pb2.RewardResult:
     )
 
 
-def run_tq(tq: TransferQueue, step: int, prompts, trajectories, samples: int) -> None:
-    tq.put_groups(PARTITION, prompts)
-    claimed = tq.claim_groups(PARTITION, max_groups=len(prompts), claimer="bench", lease_s=60)
+SCORER: dict[str, Any] = {
+    "group": "reward",
+    "reader": "bench",
+    "wants": {("trajectory", "finished")},
+}
+
+
+class Inline:
+    """The methods of a sync client behind `await`, called in place (no thread), so that one
+    round serves both clients."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        method = getattr(self._target, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return method(*args, **kwargs)
+
+        return call
+
+
+async def sync_scorer(tq: TransferQueue) -> Inline:
+    return Inline(EventConsumer(tq, PARTITION, **SCORER))  # joins its group when built
+
+
+async def async_scorer(tq: AsyncTransferQueue) -> AsyncEventConsumer:
+    scorer = AsyncEventConsumer(tq, PARTITION, **SCORER)
+    await scorer.create_group()
+    return scorer
+
+
+async def run_tq(
+    tq: AsyncTransferQueue | Inline,
+    open_scorer: Callable[[], Awaitable[Any]],
+    step: int,
+    prompts,
+    trajectories,
+    samples: int,
+) -> None:
+    await tq.put_groups(PARTITION, prompts)
+    claimed = await tq.claim_groups(PARTITION, max_groups=len(prompts), claimer="bench", lease_s=60)
     claims = {c.group.uid: c.claim_id for c in claimed.claimed}
     for start in range(0, len(trajectories), 64):
         chunk = trajectories[start : start + 64]
-        tq.put_trajectories(PARTITION, [TrajectoryPut(t, claims[t.uid]) for t in chunk])
-    scorer = EventConsumer(
-        tq, PARTITION, group="reward", reader="bench", wants={("trajectory", "finished")}
-    )
+        await tq.put_trajectories(PARTITION, [TrajectoryPut(t, claims[t.uid]) for t in chunk])
+    scorer = await open_scorer()
     num_scored = 0
     while num_scored < len(trajectories):
-        events = scorer.read(count=256, block_s=1.0)
-        read = tq.get_trajectories(PARTITION, [e.key for e in events])
-        tq.score_trajectories(PARTITION, {f"{t.uid}_{t.index}": reward_for(t) for t in read})
-        scorer.ack(events)
+        events = await scorer.read(count=256, block_s=1.0)
+        read = await tq.get_trajectories(PARTITION, [e.key for e in events])
+        await tq.score_trajectories(PARTITION, {f"{t.uid}_{t.index}": reward_for(t) for t in read})
+        await scorer.ack(events)
         num_scored += len(events)
-    uids = tq.consume(PARTITION, step, len(prompts))
-    batch = tq.get_groups(PARTITION, uids)
+    uids = await tq.consume(PARTITION, step, len(prompts))
+    batch = await tq.get_groups(PARTITION, uids)
     assert sum(len(g.trajectories) for g in batch) == len(prompts) * samples
 
 
@@ -135,54 +186,73 @@ def run_raw(client: redis.Redis, tag: str, prompts, trajectories) -> None:
     assert len(rest) == 2 * len(trajectories)
 
 
+async def inline(function: Callable[..., None], *args: Any) -> None:
+    function(*args)
+
+
+def report(run: int, rates: dict[str, list[float]]) -> None:
+    last = {side: values[-1] for side, values in rates.items()}
+    print(
+        f"run {run}: tq {last['tq']:8.0f}/s  sync {last['sync']:8.0f}/s  raw {last['raw']:8.0f}/s"
+        f"  ratio {last['tq'] / last['raw']:.2f} (sync {last['sync'] / last['raw']:.2f})"
+    )
+
+
+async def bench(args: argparse.Namespace) -> None:
+    rng = random.Random(0)
+    num_traj = args.groups * args.samples
+    rates: dict[str, list[float]] = {"tq": [], "sync": [], "raw": []}
+    with tempfile.TemporaryDirectory() as data_dir, RedisServer(data_dir) as server:
+        client = server.client()
+        tq = TransferQueue(client)
+        async with AsyncTransferQueue(server.async_client()) as atq:
+            for run in range(args.runs + 1):  # run 0 warms every path up and is not counted
+                prompts, trajectories = make_round(
+                    rng, f"r{run}", args.groups, args.samples, args.prompt_len, args.response_len
+                )
+                tq_round = partial(
+                    run_tq,
+                    step=run,
+                    prompts=prompts,
+                    trajectories=trajectories,
+                    samples=args.samples,
+                )
+                sides: dict[str, Callable[[], Awaitable[None]]] = {
+                    "tq": partial(tq_round, atq, partial(async_scorer, atq)),
+                    "sync": partial(tq_round, Inline(tq), partial(sync_scorer, tq)),
+                    "raw": partial(inline, run_raw, client, f"r{run}", prompts, trajectories),
+                }
+                # Rotate which side goes first, and start every side on an empty Redis, so that
+                # none always meets a bigger dataset, a warmer cache or an AOF rewrite.
+                names = list(sides)
+                for side in names[run % 3 :] + names[: run % 3]:
+                    client.flushall()
+                    tq.create_partition(PARTITION)
+                    start = time.perf_counter()
+                    await sides[side]()
+                    if run:
+                        rates[side].append(num_traj / (time.perf_counter() - start))
+                if run:
+                    report(run, rates)
+        size = len(trajectories[0].SerializeToString())
+        tq.close()
+    tq_rate, sync_rate, raw_rate = (statistics.median(rates[s]) for s in ("tq", "sync", "raw"))
+    print(
+        f"{args.runs} runs x {num_traj} trajectories of {args.prompt_len}+{args.response_len} "
+        f"tokens ({size} bytes each), redis-server AOF everysec"
+    )
+    print(f"tq-bench sync client: ratio={sync_rate / raw_rate:.2f} tq={sync_rate:.0f}/s")
+    print(f"tq-bench: ratio={tq_rate / raw_rate:.2f} tq={tq_rate:.0f}/s raw={raw_rate:.0f}/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=64, help="prompt groups per round")
     parser.add_argument("--samples", type=int, default=8, help="trajectories per group")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--response-len", type=int, default=1536)
-    parser.add_argument("--runs", type=int, default=9, help="rounds per side (alternating)")
-    args = parser.parse_args()
-
-    rng = random.Random(0)
-    num_traj = args.groups * args.samples
-    tq_rates, raw_rates = [], []
-    with tempfile.TemporaryDirectory() as data_dir, RedisServer(data_dir) as server:
-        client = server.client()
-        tq = TransferQueue(client)
-        tq.create_partition(PARTITION)
-        for run in range(args.runs + 1):  # run 0 warms both paths up and is not counted
-            prompts, trajectories = make_round(
-                rng, f"r{run}", args.groups, args.samples, args.prompt_len, args.response_len
-            )
-            sides = {
-                "tq": partial(run_tq, tq, run, prompts, trajectories, args.samples),
-                "raw": partial(run_raw, client, f"r{run}", prompts, trajectories),
-            }
-            # Alternate which side goes first, and start every side on an empty Redis, so that
-            # neither always meets a bigger dataset, a warmer cache or an AOF rewrite.
-            elapsed = {}
-            for side in sorted(sides, reverse=run % 2 == 1):
-                client.flushall()
-                tq.create_partition(PARTITION)
-                start = time.perf_counter()
-                sides[side]()
-                elapsed[side] = time.perf_counter() - start
-            if run:
-                tq_rates.append(num_traj / elapsed["tq"])
-                raw_rates.append(num_traj / elapsed["raw"])
-                print(
-                    f"run {run}: tq {tq_rates[-1]:8.0f}/s  raw {raw_rates[-1]:8.0f}/s  "
-                    f"ratio {tq_rates[-1] / raw_rates[-1]:.2f}"
-                )
-        size = len(trajectories[0].SerializeToString())
-        tq.close()
-    tq_rate, raw_rate = statistics.median(tq_rates), statistics.median(raw_rates)
-    print(
-        f"{args.runs} runs x {num_traj} trajectories of {args.prompt_len}+{args.response_len} "
-        f"tokens ({size} bytes each), redis-server AOF everysec"
-    )
-    print(f"tq-bench: ratio={tq_rate / raw_rate:.2f} tq={tq_rate:.0f}/s raw={raw_rate:.0f}/s")
+    parser.add_argument("--runs", type=int, default=9, help="rounds per side (rotating)")
+    asyncio.run(bench(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from relayrl.inference.client import (
     EngineError,
 )
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import ClaimedGroup, TrajectoryPut, TransferQueue
+from relayrl.tq import AsyncTransferQueue, ClaimedGroup, TrajectoryPut
 from relayrl.tq.errors import StaleClaimError, TQError
 from relayrl.tq.queue import TQUnavailableError
 
@@ -76,7 +75,7 @@ class RolloutWorker:
 
     def __init__(
         self,
-        tq: TransferQueue,
+        tq: AsyncTransferQueue,
         pool: ReplicaPool,
         loops: Mapping[str, AgentLoop | ExternalAgent],
         context_for: Callable[[common_pb2.PromptGroup, int], AgentContext],
@@ -135,8 +134,7 @@ class RolloutWorker:
             claimed: list[ClaimedGroup] = []
             if free > 0:
                 try:
-                    result = await asyncio.to_thread(
-                        self._tq.claim_groups,
+                    result = await self._tq.claim_groups(
                         self.partition,
                         max_groups=free,
                         claimer=self._claimer,
@@ -162,9 +160,7 @@ class RolloutWorker:
         died (a restart, a SIGKILL): back to pending now, not when their leases expire."""
         reason = "released by a restarted claimer"
         try:
-            released = await asyncio.to_thread(
-                self._tq.release_claimer, self.partition, self._claimer, reason
-            )
+            released = await self._tq.release_claimer(self.partition, self._claimer, reason)
         except TQError as exc:
             logger.warning(
                 "could not give back what an earlier %s left claimed on %s (%s); its leases "
@@ -215,9 +211,7 @@ class RolloutWorker:
                 "rolling out %s/%s failed; releasing it", self.partition, claim.group.uid
             )
             with contextlib.suppress(TQError):
-                await asyncio.to_thread(
-                    self._tq.release_groups, self.partition, [claim], "gateway error"
-                )
+                await self._tq.release_groups(self.partition, [claim], "gateway error")
         finally:
             renewer.cancel()
             await asyncio.gather(renewer, return_exceptions=True)
@@ -226,9 +220,7 @@ class RolloutWorker:
         while True:
             await asyncio.sleep(self._lease_s / 3)
             with contextlib.suppress(TQError):
-                await asyncio.to_thread(
-                    self._tq.renew_leases, self.partition, [claim], self._lease_s
-                )
+                await self._tq.renew_leases(self.partition, [claim], self._lease_s)
 
     async def _run_sample(self, claim: ClaimedGroup, index: int) -> None:
         group = claim.group
@@ -272,7 +264,7 @@ class RolloutWorker:
         delay_s = 0.5
         while True:
             try:
-                await asyncio.to_thread(self._tq.put_trajectories, self.partition, [put])
+                await self._tq.put_trajectories(self.partition, [put])
                 return
             except TQUnavailableError as exc:
                 if time.monotonic() + delay_s > deadline:
@@ -311,7 +303,7 @@ class RolloutWorker:
         resumed run included, takes them at once instead of waiting out their leases. A claim
         that cannot be given back (Redis away) expires as a killed gateway's does."""
         if self._watcher is not None:
-            self._watcher.stop()
+            await self._watcher.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -320,7 +312,7 @@ class RolloutWorker:
             task.cancel()
         await asyncio.gather(*self._groups.values(), return_exceptions=True)
         if claims:
-            released = await asyncio.to_thread(self._release, claims)
+            released = await self._release(claims)
             logger.info(
                 "stopping: gave back %d of %d groups in flight on %s",
                 released,
@@ -328,13 +320,15 @@ class RolloutWorker:
                 self.partition,
             )
 
-    def _release(self, claims: list[ClaimedGroup]) -> int:
+    async def _release(self, claims: list[ClaimedGroup]) -> int:
         """Gives each claim back on its own: one that finished or was superseded meanwhile
         (its last trajectory landed as the task was cancelled) must not keep back the rest."""
         released = 0
         for claim in claims:
             try:
-                released += self._tq.release_groups(self.partition, [claim], "gateway stopped")
+                released += await self._tq.release_groups(
+                    self.partition, [claim], "gateway stopped"
+                )
             except StaleClaimError:
                 continue  # no longer ours to give back
             except TQUnavailableError as exc:  # Redis away: every lease will expire
@@ -365,7 +359,7 @@ class LeaseSweeper:
 
     def __init__(
         self,
-        tq: TransferQueue,
+        tq: AsyncTransferQueue,
         partitions: Sequence[str],
         lease_s: float,
         on_requeued: Callable[[str, list[str]], None],
@@ -383,7 +377,7 @@ class LeaseSweeper:
     async def sweep_once(self) -> None:
         for partition in self._partitions:
             try:
-                uids = await asyncio.to_thread(self._tq.requeue_expired, partition)
+                uids = await self._tq.requeue_expired(partition)
             except TQError as exc:
                 logger.warning("requeueing expired claims on %s failed: %s", partition, exc)
                 continue
@@ -403,35 +397,33 @@ class LeaseSweeper:
 
 class _PendingWatcher:
     """Wakes the claim loop the moment a group becomes pending (put, released, requeued,
-    reissued), instead of letting a synchronous step wait out a poll interval: it blocks on
-    the partition's event stream in a thread of its own (a blocked read would otherwise hold
-    one of asyncio's few default worker threads)."""
+    reissued), instead of letting a synchronous step wait out a poll interval: a task of its own
+    blocks on the partition's event stream, on a pooled connection of its own (the asyncio
+    client's), while the loop's other commands use theirs."""
 
-    def __init__(self, tq: TransferQueue, partition: str, wake: asyncio.Event) -> None:
+    def __init__(self, tq: AsyncTransferQueue, partition: str, wake: asyncio.Event) -> None:
         self._tq = tq
         self._partition = partition
         self._wake = wake
-        self._loop = asyncio.get_running_loop()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"pending-watch-{partition}", daemon=True
-        )
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._task = asyncio.create_task(self._run(), name=f"pending-watch-{self._partition}")
 
-    def stop(self) -> None:
-        self._stopping.set()  # the thread ends within one block interval
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
         last_id = "$"
-        while not self._stopping.is_set():
+        while True:
             try:
-                last_id, pending = self._tq.wait_for_pending(
+                last_id, pending = await self._tq.wait_for_pending(
                     self._partition, last_id, block_ms=WATCH_BLOCK_MS
                 )
             except (TQError, redis.RedisError):
-                self._stopping.wait(1.0)  # Redis away: the claim loop's poll still runs
+                await asyncio.sleep(1.0)  # Redis away: the claim loop's poll still runs
                 continue
             if pending:
-                self._loop.call_soon_threadsafe(self._wake.set)
+                self._wake.set()

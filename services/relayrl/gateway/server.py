@@ -5,7 +5,6 @@ with the trajectories already written)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -63,7 +62,7 @@ class GatewayApp:
             raise ValueError("tokenizer: set the folder of the policy's tokenizer (the model)")
         from transformers import AutoTokenizer
 
-        from relayrl.tq import TransferQueue
+        from relayrl.tq import AsyncTransferQueue
 
         self.config = config
         self._engine_token = load_client_token(config.engines, "engines")
@@ -89,7 +88,7 @@ class GatewayApp:
             if engines.kubernetes
             else None
         )
-        self.tq = TransferQueue.from_config(config.tq.model_copy(update={"partitions": []}))
+        self.tq = AsyncTransferQueue.from_config(config.tq.model_copy(update={"partitions": []}))
         claimer = config.rollout.claimer or f"{socket.gethostname()}-{os.getpid()}"
         self.workers = [
             RolloutWorker(
@@ -206,8 +205,8 @@ class GatewayApp:
         if self.discovery is not None:
             self.discovery.start()
         for partition in self.config.rollout.partitions:
-            await asyncio.to_thread(self.tq.create_partition, partition)
-        await asyncio.to_thread(self.tq.check_durability)  # refuse a Redis without AOF
+            await self.tq.create_partition(partition)
+        await self.tq.check_durability()  # refuse a Redis without AOF
         for worker in self.workers:
             worker.start()
         if self.sessions is not None and self.agent_http is not None:
@@ -232,7 +231,7 @@ class GatewayApp:
         if self.registrar is not None:
             await self.registrar.close()
         await self.pool.close()
-        self.tq.close()
+        await self.tq.aclose()
 
 
 async def run(config: GatewayConfig, ready_file: Path | None = None) -> None:

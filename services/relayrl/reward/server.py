@@ -8,7 +8,6 @@ pipeline scores what it holds for `shutdown_grace_s` and closes the managers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -71,15 +70,15 @@ class RewardApp:
         await self.pipeline.start()
         if self.config.tq_scorer.enabled:
             from relayrl.reward.tq_scorer import TQScorer
-            from relayrl.tq import TransferQueue
+            from relayrl.tq import AsyncTransferQueue
 
             # No partitions here: creating them needs Redis, which may come up after us; the
             # scorer's readers create theirs, retrying until Redis answers.
-            self._tq = TransferQueue.from_config(
+            self._tq = AsyncTransferQueue.from_config(
                 self.config.tq.model_copy(update={"partitions": []})
             )
             try:  # a Redis without AOF: refuse to start (the scorer checks again on joining)
-                await asyncio.to_thread(self._tq.check_durability)
+                await self._tq.check_durability()
             except TQUnavailableError as exc:
                 logger.info("TransferQueue not reachable yet (%s): checked on joining", exc)
             self._tq_scorer = TQScorer(
@@ -96,7 +95,7 @@ class RewardApp:
         await self.pipeline.close(self.config.pipeline.shutdown_grace_s)
         await self.tenants.close()
         if self._tq is not None:
-            self._tq.close()
+            await self._tq.aclose()
 
 
 async def run(config: RewardConfig, ready_file: Path | None = None) -> None:

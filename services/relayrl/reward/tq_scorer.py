@@ -25,8 +25,7 @@ from relayrl.reward.config import PIPELINE_TENANT, TQScorerConfig
 from relayrl.reward.convert import reported_reward, result_to_proto
 from relayrl.reward.items import InvalidItem, RewardItem, RewardResult
 from relayrl.reward.pipeline import InvalidRequest, RequestError, RewardPipeline, SubmitOptions
-from relayrl.tq import TransferQueue
-from relayrl.tq.consumer import EventConsumer
+from relayrl.tq import AsyncEventConsumer, AsyncTransferQueue
 from relayrl.tq.errors import TQError, UnknownKeyError
 from relayrl.tq.model import Event, TrajectoryStatus
 
@@ -68,7 +67,7 @@ class TQScorer:
 
     def __init__(
         self,
-        tq: TransferQueue,
+        tq: AsyncTransferQueue,
         pipeline: RewardPipeline,
         config: TQScorerConfig,
         default_manager: str,
@@ -92,15 +91,14 @@ class TQScorer:
                 asyncio.create_task(self._read_loop(partition), name=f"tq-{partition}")
             )
 
-    async def _join(self, partition: str) -> EventConsumer:
+    async def _join(self, partition: str) -> AsyncEventConsumer:
         failures = 0
         while True:
             try:
-                await asyncio.to_thread(self._tq.create_partition, partition)
+                await self._tq.create_partition(partition)
                 # a Redis without AOF is never read from (an error, retried: loud)
-                await asyncio.to_thread(self._tq.check_durability)
-                consumer = await asyncio.to_thread(
-                    EventConsumer,
+                await self._tq.check_durability()
+                consumer = AsyncEventConsumer(
                     self._tq,
                     partition,
                     group=self._config.consumer_group,
@@ -109,6 +107,7 @@ class TQScorer:
                     reclaim_idle_s=self._config.reclaim_idle_s,
                     max_deliveries=self._config.max_deliveries,
                 )
+                await consumer.create_group()
             except TQError as exc:
                 failures += 1
                 await self._backoff(f"joining consumer group on {partition}", exc, failures)
@@ -139,7 +138,7 @@ class TQScorer:
                 return
             count = min(self._config.read_count, self._config.max_inflight_items - self._inflight)
             try:
-                events = await asyncio.to_thread(consumer.read, count, READ_BLOCK_S)
+                events = await consumer.read(count, READ_BLOCK_S)
             except TQError as exc:
                 failures += 1
                 await self._backoff(f"reading {partition} events", exc, failures)
@@ -152,24 +151,22 @@ class TQScorer:
                 task.add_done_callback(self._tasks.discard)
 
     async def _score_events(
-        self, partition: str, consumer: EventConsumer, events: list[Event]
+        self, partition: str, consumer: AsyncEventConsumer, events: list[Event]
     ) -> None:
         try:
             redelivered = sum(1 for event in events if event.deliveries > 1)
             if redelivered:
                 self._pipeline.metrics.tq_redeliveries.labels(partition=partition).inc(redelivered)
-            items, refused = await asyncio.to_thread(
-                self._items, partition, [e.key for e in events]
-            )
+            items, refused = await self._items(partition, [e.key for e in events])
             results = refused + await self._score(items)
             rewards = {r.item_id: result_to_proto(r) for r in results}
             if rewards:
-                await asyncio.to_thread(self._tq.score_trajectories, partition, rewards)
+                await self._tq.score_trajectories(partition, rewards)
                 for result in results:
                     self._pipeline.metrics.tq_scored.labels(
                         partition=partition, status=result.status.name
                     ).inc()
-            await asyncio.to_thread(consumer.ack, events)
+            await consumer.ack(events)
         except (TQError, RequestError) as exc:
             # Not acknowledged: the events stay pending and are delivered again.
             logger.warning(
@@ -183,20 +180,20 @@ class TQScorer:
             async with self._room:
                 self._room.notify_all()
 
-    def _items(
+    async def _items(
         self, partition: str, keys: Sequence[str]
     ) -> tuple[list[RewardItem], list[RewardResult]]:
         """Items for the finished (not yet scored) trajectories among `keys`, and the results
         of those that can never be scored as written (stored as refused, not retried)."""
         trajectories = [
             t
-            for t in self._read_trajectories(partition, list(dict.fromkeys(keys)))
+            for t in await self._read_trajectories(partition, list(dict.fromkeys(keys)))
             if t.tags.status == common_pb2.TRAJECTORY_STATUS_FINISHED
         ]
         uids = list(dict.fromkeys(t.uid for t in trajectories))
         groups = {
             g.group.uid: g.group
-            for g in self._tq.get_groups(partition, uids, with_trajectories=False)
+            for g in await self._tq.get_groups(partition, uids, with_trajectories=False)
         }
         items, refused = [], []
         for trajectory in trajectories:
@@ -211,15 +208,17 @@ class TQScorer:
     def _manager_of(self, item: RewardItem | common_pb2.PromptGroup) -> str:
         return self._config.managers_by_data_source.get(item.data_source, self._default_manager)
 
-    def _read_trajectories(self, partition: str, keys: list[str]) -> list[common_pb2.Trajectory]:
+    async def _read_trajectories(
+        self, partition: str, keys: list[str]
+    ) -> list[common_pb2.Trajectory]:
         try:
-            return self._tq.get_trajectories(partition, keys)
+            return await self._tq.get_trajectories(partition, keys)
         except UnknownKeyError:
             pass  # rare (a dropped group): read one by one and skip the missing ones
         found = []
         for key in keys:
             try:
-                found += self._tq.get_trajectories(partition, [key])
+                found += await self._tq.get_trajectories(partition, [key])
             except UnknownKeyError:
                 logger.warning("%s/%s: event for a trajectory that is gone", partition, key)
         return found

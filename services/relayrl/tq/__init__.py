@@ -1,8 +1,9 @@
 """relayrl.tq: the TransferQueue on Redis — prompt groups and trajectories with tags, an atomic
-status machine, event streams read by consumer groups, idempotent puts, AOF durability."""
+status machine, event streams read by consumer groups, idempotent puts, AOF durability. One set
+of operations, two clients: TransferQueue (sync) and AsyncTransferQueue (asyncio)."""
 
 from relayrl.tq.config import TQConfig
-from relayrl.tq.consumer import EventConsumer
+from relayrl.tq.consumer import AsyncEventConsumer, EventConsumer
 from relayrl.tq.errors import (
     ConflictError,
     CorruptRecordError,
@@ -33,6 +34,7 @@ from relayrl.tq.model import (
     TrajectoryStatus,
 )
 from relayrl.tq.queue import (
+    AsyncTransferQueue,
     DurabilityError,
     TQAuthenticationError,
     TQUnavailableError,
@@ -42,6 +44,8 @@ from relayrl.tq.queue import (
 __all__ = [
     "GROUP_TRANSITIONS",
     "TRAJECTORY_TRANSITIONS",
+    "AsyncEventConsumer",
+    "AsyncTransferQueue",
     "ClaimResult",
     "ClaimedGroup",
     "ConflictError",

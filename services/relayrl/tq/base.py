@@ -1,17 +1,17 @@
-"""The TransferQueue's connection to Redis and its key layout, shared by the read, event and
-transition sides of the client (relayrl.tq.queue.TransferQueue puts them together)."""
+"""The TransferQueue's key layout, limits and connection errors, shared by the read, event and
+transition operations of both clients (relayrl.tq.queue puts them together)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import redis
 
 from relayrl.tq import codec
 from relayrl.tq.errors import InvalidInputError, TQError
-from relayrl.tq.scripts import load_scripts, translate_error
+from relayrl.tq.steps import Script
 
 
 class TQUnavailableError(TQError, ConnectionError):
@@ -53,11 +53,15 @@ def _positive_int(value: object, name: str, minimum: int = 1) -> int:
 
 
 class QueueBase:
-    """Redis, the namespace's keys and the Lua scripts every operation goes through."""
+    """The namespace's keys, the queue's limits and the steps its operations are built from
+    (relayrl.tq.steps). No I/O: the client that subclasses it (relayrl.tq.queue) runs them."""
+
+    # The runner of the client's operations, built on its Redis client (relayrl.tq.runners).
+    _runner_type: ClassVar[Callable[[Any], Any]]
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Any,
         *,
         namespace: str = "relayrl",
         max_value_bytes: int = 32 * 1024 * 1024,
@@ -69,18 +73,11 @@ class QueueBase:
         self._max_value_bytes = max_value_bytes
         self._event_stream_max_len = event_stream_max_len
         self._durability = durability
-        self._scripts = load_scripts(client)
-
-    @property
-    def redis(self) -> redis.Redis:
-        return self._redis
+        self._runner = self._runner_type(client)
 
     @property
     def namespace(self) -> str:
         return self._ns
-
-    def close(self) -> None:
-        self._redis.close()
 
     def _block_ms(self, block_ms: int) -> int:
         """`block_ms` of a blocking read, refused unless it ends before the connection's socket
@@ -93,7 +90,7 @@ class QueueBase:
             )
         return block_ms
 
-    # -- keys and script plumbing ---------------------------------------------------------
+    # -- keys and steps -------------------------------------------------------------------
 
     def _partitions_key(self) -> str:
         return f"{{{self._ns}}}:partitions"
@@ -107,35 +104,8 @@ class QueueBase:
     def _dead_key(self, partition: str) -> str:
         return f"{self._key_prefix(partition)}dead"
 
-    def _call(
-        self, partition: str, script: str, *args: Any, pipe: redis.client.Pipeline | None = None
-    ) -> Any:
+    def _script(self, partition: str, script: str, *args: Any) -> Script:
+        """A step running one of the partition scripts (the prelude's calling convention)."""
         codec.check_partition_name(partition)
         argv = [self._key_prefix(partition), partition, self._event_stream_max_len, *args]
-        return self._run(partition, script, [self._partitions_key()], argv, pipe)
-
-    def _run(
-        self,
-        partition: str,
-        script: str,
-        keys: list[str],
-        argv: list[Any],
-        pipe: redis.client.Pipeline | None = None,
-    ) -> Any:
-        """Runs a script, alone or as the last command of `pipe` (whose other replies are
-        dropped); a script's error reply becomes the matching TQ exception."""
-        with unavailable_as_tq_error():
-            if pipe is None:
-                try:
-                    return self._scripts[script](keys=keys, args=argv)
-                except redis.ResponseError as exc:
-                    raise translate_error(partition, exc) from None
-            self._scripts[script](keys=keys, args=argv, client=pipe)
-            reply = pipe.execute(raise_on_error=False)[-1]
-        if isinstance(reply, redis.ResponseError):
-            raise translate_error(partition, reply) from None
-        return reply
-
-    def _pipeline_execute(self, pipe: redis.client.Pipeline) -> list[Any]:
-        with unavailable_as_tq_error():
-            return pipe.execute()
+        return Script(partition, script, [self._partitions_key()], argv)

@@ -10,29 +10,40 @@ poison entry: it is moved to the partition's dead-letter stream and acknowledged
 Processing must be idempotent in effect (the TransferQueue's transitions are: scoring an already
 scored trajectory is a no-op), because a reader that dies after acting and before acking has its
 entries delivered again.
+
+`EventConsumer` reads through a TransferQueue, `AsyncEventConsumer` through an
+AsyncTransferQueue; their operations are written once (relayrl.tq.steps).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import redis
 
 from relayrl.tq import codec
 from relayrl.tq.errors import InvalidInputError
+from relayrl.tq.events import event_from_entry
 from relayrl.tq.model import Event
-from relayrl.tq.queue import TransferQueue, event_from_entry, unavailable_as_tq_error
+from relayrl.tq.queue import QueueOperations, TransferQueue
+from relayrl.tq.runners import AsyncRunner, SyncRunner
+from relayrl.tq.steps import Steps, command, operation
 
 logger = logging.getLogger(__name__)
 
 
-class EventConsumer:
-    """One reader of one consumer group on one partition's event stream."""
+class ConsumerOperations:
+    """One reader of one consumer group on one partition's event stream: its operations, run
+    on its queue's connection by EventConsumer or AsyncEventConsumer."""
+
+    # The runner the queue must have (the consumer's operations run on the queue's).
+    _runner_type: ClassVar[type]
 
     def __init__(
         self,
-        tq: TransferQueue,
+        tq: QueueOperations,
         partition: str,
         *,
         group: str,
@@ -45,6 +56,8 @@ class EventConsumer:
         """`wants`: (kind, to_status) pairs this role acts on, e.g. {("trajectory", "finished")};
         other events are acknowledged as soon as they are read. None: every event.
         `start_id`: where a new consumer group starts ("0": the whole log, "$": from now)."""
+        if not isinstance(tq._runner, self._runner_type):
+            raise TypeError(f"{type(self).__name__} reads through a {self._runner_type.__name__}")
         codec.check_partition_name(partition)
         for name, value in (("group", group), ("reader", reader)):
             if not isinstance(value, str) or not value:
@@ -54,45 +67,50 @@ class EventConsumer:
         if not reclaim_idle_s > 0:
             raise InvalidInputError(f"reclaim_idle_s must be > 0, got {reclaim_idle_s}")
         self._tq = tq
-        self._redis: redis.Redis = tq.redis
+        self._runner = tq._runner
         self.partition, self.group, self.reader = partition, group, reader
         self._wants = None if wants is None else frozenset(wants)
         self._reclaim_idle_ms = max(1, round(reclaim_idle_s * 1000))
         self._max_deliveries = max_deliveries
+        self._start_id = start_id
         self.stream = tq._events_key(partition)
-        self._ensure_group(start_id)
 
-    def _ensure_group(self, start_id: str) -> None:
+    @operation
+    def create_group(self) -> Steps[None]:
+        """Creates the consumer group at `start_id`, unless it exists."""
         try:
-            with unavailable_as_tq_error():
-                self._redis.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
+            yield command(
+                "xgroup_create", self.stream, self.group, id=self._start_id, mkstream=True
+            )
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def read(self, count: int = 100, block_s: float = 1.0) -> list[Event]:
+    @operation
+    def read(self, count: int = 100, block_s: float = 1.0) -> Steps[list[Event]]:
         """Up to `count` events for this reader: first entries reclaimed from dead readers, then
         new ones (waiting up to `block_s` when there is nothing at all)."""
         if count < 1:
             raise InvalidInputError(f"count must be >= 1, got {count}")
-        with unavailable_as_tq_error():
-            events = self._reclaim(count)
-            if len(events) < count:
-                block_ms = None if events else self._tq._block_ms(max(1, round(block_s * 1000)))
-                reply = self._redis.xreadgroup(
-                    self.group,
-                    self.reader,
-                    {self.stream: ">"},
-                    count=count - len(events),
-                    block=block_ms,
-                )
-                for _, entries in reply or []:
-                    events += [event_from_entry(i, f) for i, f in self._wanted(entries)]
-            return events
+        block_ms = self._tq._block_ms(max(1, round(block_s * 1000)))  # checked before any I/O
+        events = yield from self._reclaim(count)
+        if len(events) < count:
+            reply = yield command(
+                "xreadgroup",
+                self.group,
+                self.reader,
+                {self.stream: ">"},
+                count=count - len(events),
+                block=None if events else block_ms,
+            )
+            for _, entries in reply or []:
+                wanted = yield from self._wanted(entries)
+                events += [event_from_entry(i, f) for i, f in wanted]
+        return events
 
     def _wanted(
         self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]
-    ) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    ) -> Steps[list[tuple[bytes, dict[bytes, bytes]]]]:
         """The entries this role acts on; the others are acknowledged at once."""
         wanted, unwanted = [], []
         for entry_id, fields in entries:
@@ -108,15 +126,15 @@ class EventConsumer:
             else:
                 unwanted.append(entry_id)
         if unwanted:
-            self._redis.xack(self.stream, self.group, *unwanted)
+            yield command("xack", self.stream, self.group, *unwanted)
         return wanted
 
     def _wants_kind_to(self, fields: dict[bytes, bytes]) -> bool:
         kind, to = fields.get(b"kind", b"").decode(), fields.get(b"to", b"").decode()
         return (kind, to) in self._wants
 
-    def _reclaim(self, count: int) -> list[Event]:
-        events, _ = self._tq.reclaim_events(
+    def _reclaim(self, count: int) -> Steps[list[Event]]:
+        events, _ = yield from self._tq.reclaim_events.steps(
             self.partition,
             group=self.group,
             reader=self.reader,
@@ -128,20 +146,42 @@ class EventConsumer:
             e.id for e in events if self._wants and (e.kind, e.to_status) not in self._wants
         ]
         if unwanted:
-            self._redis.xack(self.stream, self.group, *unwanted)
+            yield command("xack", self.stream, self.group, *unwanted)
         return [e for e in events if e.id not in unwanted]
 
-    def ack(self, events: Iterable[Event | str]) -> int:
+    @operation
+    def ack(self, events: Iterable[Event | str]) -> Steps[int]:
         ids = [e.id if isinstance(e, Event) else e for e in events]
         if not ids:
             return 0
-        with unavailable_as_tq_error():
-            return int(self._redis.xack(self.stream, self.group, *ids))
+        return int((yield command("xack", self.stream, self.group, *ids)))
 
-    def pending_count(self) -> int:
+    @operation
+    def pending_count(self) -> Steps[int]:
         """Entries delivered to this group and not yet acknowledged (any reader)."""
-        with unavailable_as_tq_error():
-            return int(self._redis.xpending(self.stream, self.group)["pending"])
+        return int((yield command("xpending", self.stream, self.group))["pending"])
 
-    def dead_letters(self, count: int = 100) -> list[Event]:
-        return self._tq.dead_letters(self.partition, count)
+    @operation
+    def dead_letters(self, count: int = 100) -> Steps[list[Event]]:
+        return (yield from self._tq.dead_letters.steps(self.partition, count))
+
+
+class EventConsumer(ConsumerOperations):
+    """A reader through a TransferQueue: it joins its consumer group when built (the options:
+    ConsumerOperations), and every operation returns its result."""
+
+    _runner_type = SyncRunner
+    _runner: SyncRunner
+
+    def __init__(self, tq: TransferQueue, partition: str, **options: Any) -> None:
+        super().__init__(tq, partition, **options)
+        self.create_group()
+
+
+class AsyncEventConsumer(ConsumerOperations):
+    """A reader through an AsyncTransferQueue: every operation is a coroutine, and
+    `await create_group()` joins the consumer group before the first read (building one does no
+    I/O)."""
+
+    _runner_type = AsyncRunner
+    _runner: AsyncRunner

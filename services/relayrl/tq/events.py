@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from relayrl.tq import codec
-from relayrl.tq.base import QueueBase, _positive_int, unavailable_as_tq_error
+from relayrl.tq.base import QueueBase, _positive_int
 from relayrl.tq.model import ConsumerGroupState, Event, PendingEntry
+from relayrl.tq.steps import Script, Steps, command, operation
 
 
 class QueueEvents(QueueBase):
@@ -15,23 +16,24 @@ class QueueEvents(QueueBase):
     groups read it (relayrl.tq.consumer), and entries delivered too often move to
     `<prefix>dead`."""
 
-    def event_stream_length(self, partition: str) -> int:
+    @operation
+    def event_stream_length(self, partition: str) -> Steps[int]:
         """Entries in the partition's event stream (above event_stream_max_len only while a
         consumer group has not acknowledged the oldest ones)."""
         codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            return int(self._redis.xlen(self._events_key(partition)))
+        return int((yield command("xlen", self._events_key(partition))))
 
+    @operation
     def redrive_dead_letters(
         self, partition: str, ids: Sequence[str] | None = None, count: int = 1000
-    ) -> list[str]:
+    ) -> Steps[list[str]]:
         """Moves dead letters (all of them, up to `count`, or those with the given dead-letter
         ids) back into the event stream as new entries, so that their consumer group reads
         them again; returns the ids of the new entries. Atomic per call."""
         codec.check_partition_name(partition)
         _positive_int(count, "count")
         wanted = list(ids or [])
-        raw = self._run(
+        raw = yield Script(
             partition,
             "redrive",
             [self._events_key(partition), self._dead_key(partition)],
@@ -39,40 +41,43 @@ class QueueEvents(QueueBase):
         )
         return [entry.decode() if isinstance(entry, bytes) else entry for entry in raw]
 
-    def num_dead_letters(self, partition: str) -> int:
+    @operation
+    def num_dead_letters(self, partition: str) -> Steps[int]:
         """Events given up on after too many deliveries (the dead-letter stream's length)."""
         codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            return int(self._redis.xlen(self._dead_key(partition)))
+        return int((yield command("xlen", self._dead_key(partition))))
 
-    def dead_letters(self, partition: str, count: int = 100) -> list[Event]:
+    @operation
+    def dead_letters(self, partition: str, count: int = 100) -> Steps[list[Event]]:
         """The oldest `count` dead letters, with their `dead_*` bookkeeping in `extra` (the
         consumer group, reader and deliveries that gave up, and the event's own id)."""
         codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            entries = self._redis.xrange(self._dead_key(partition), "-", "+", count)
+        entries = yield command("xrange", self._dead_key(partition), "-", "+", count)
         return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
 
-    def consumer_groups(self, partition: str, page: int = 10_000) -> dict[str, ConsumerGroupState]:
+    @operation
+    def consumer_groups(
+        self, partition: str, page: int = 10_000
+    ) -> Steps[dict[str, ConsumerGroupState]]:
         """The consumer groups reading the partition's event stream, by name, with every entry
         each has been delivered and not acknowledged (read `page` at a time)."""
         codec.check_partition_name(partition)
         stream = self._events_key(partition)
         out: dict[str, ConsumerGroupState] = {}
-        with unavailable_as_tq_error():
-            infos = self._redis.xinfo_groups(stream) if self._redis.exists(stream) else []
-            for info in infos:
-                name = info["name"].decode()
-                out[name] = ConsumerGroupState(
-                    name, info["last-delivered-id"].decode(), self._pending(stream, name, page)
-                )
+        infos = []
+        if (yield command("exists", stream)):
+            infos = yield command("xinfo_groups", stream)
+        for info in infos:
+            name = info["name"].decode()
+            pending = yield from self._pending(stream, name, page)
+            out[name] = ConsumerGroupState(name, info["last-delivered-id"].decode(), pending)
         return out
 
-    def _pending(self, stream: str, group: str, page: int) -> list[PendingEntry]:
+    def _pending(self, stream: str, group: str, page: int) -> Steps[list[PendingEntry]]:
         out: list[PendingEntry] = []
         start = "-"
         while True:
-            entries = self._redis.xpending_range(stream, group, start, "+", page)
+            entries = yield command("xpending_range", stream, group, start, "+", page)
             out += [
                 PendingEntry(p["message_id"].decode(), p["consumer"].decode(), p["times_delivered"])
                 for p in entries
@@ -81,28 +86,28 @@ class QueueEvents(QueueBase):
                 return out
             start = f"({out[-1].id}"
 
+    @operation
     def follow_events(
         self, partition: str, after: str, *, block_ms: int | None = None, count: int | None = None
-    ) -> list[Event]:
+    ) -> Steps[list[Event]]:
         """Transitions after event id `after` ("$": only those appended from now on), waiting up
         to `block_ms` for the first when there is none yet (None: no wait); at most `count`."""
         codec.check_partition_name(partition)
         stream = self._events_key(partition)
-        with unavailable_as_tq_error():
-            block = None if block_ms is None else self._block_ms(block_ms)
-            reply = self._redis.xread({stream: after}, count=count, block=block)
+        block = None if block_ms is None else self._block_ms(block_ms)
+        reply = yield command("xread", {stream: after}, count=count, block=block)
         return [event_from_entry(i, f) for _, entries in reply or [] for i, f in entries]
 
+    @operation
     def wait_for_pending(
         self, partition: str, after: str = "$", *, block_ms: int
-    ) -> tuple[str, bool]:
+    ) -> Steps[tuple[str, bool]]:
         """Waits up to `block_ms` for transitions after event id `after` ("$": from now on) and
         returns the id of the last one read (`after` when none came) and whether any of them
         made a group pending: what a claim loop waits on instead of polling."""
         codec.check_partition_name(partition)
         stream = self._events_key(partition)
-        with unavailable_as_tq_error():
-            reply = self._redis.xread({stream: after}, block=self._block_ms(block_ms))
+        reply = yield command("xread", {stream: after}, block=self._block_ms(block_ms))
         last_id, pending = after, False
         for _, entries in reply or []:
             for entry_id, fields in entries:
@@ -111,6 +116,7 @@ class QueueEvents(QueueBase):
                     pending = True
         return last_id, pending
 
+    @operation
     def reclaim_events(
         self,
         partition: str,
@@ -120,12 +126,12 @@ class QueueEvents(QueueBase):
         min_idle_ms: int,
         count: int,
         max_deliveries: int,
-    ) -> tuple[list[Event], int]:
+    ) -> Steps[tuple[list[Event], int]]:
         """Claims for `reader` the entries of consumer group `group` idle for `min_idle_ms`,
         moving those delivered `max_deliveries` times to the dead-letter stream. Returns the
         claimed events and the number dead-lettered. (EventConsumer.read calls this.)"""
         codec.check_partition_name(partition)
-        raw = self._run(
+        raw = yield Script(
             partition,
             "reclaim",
             [self._events_key(partition), self._dead_key(partition)],
@@ -137,18 +143,20 @@ class QueueEvents(QueueBase):
             events.append(event_from_entry(raw[i], fields, deliveries=int(raw[i + 1])))
         return events, int(raw[0])
 
-    def read_events(self, partition: str, start: str = "-", count: int = 1000) -> list[Event]:
+    @operation
+    def read_events(
+        self, partition: str, start: str = "-", count: int = 1000
+    ) -> Steps[list[Event]]:
         """The partition's transition log from `start` (an event id, inclusive)."""
         codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            entries = self._redis.xrange(self._events_key(partition), start, "+", count)
+        entries = yield command("xrange", self._events_key(partition), start, "+", count)
         return [event_from_entry(entry_id, fields) for entry_id, fields in entries]
 
-    def last_events(self, partition: str, count: int = 20) -> list[Event]:
+    @operation
+    def last_events(self, partition: str, count: int = 20) -> Steps[list[Event]]:
         """The partition's last `count` transitions, oldest first."""
         codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            entries = self._redis.xrevrange(self._events_key(partition), count=count)
+        entries = yield command("xrevrange", self._events_key(partition), count=count)
         return [event_from_entry(entry_id, fields) for entry_id, fields in reversed(entries)]
 
 

@@ -1,8 +1,11 @@
 """The TransferQueue: Redis-backed, durable record of every prompt group and trajectory.
 
-`TransferQueue` is the one client every service uses: the transitions are here; reads are
-in relayrl.tq.reads, the event streams in relayrl.tq.events, the connection and key plumbing
-in relayrl.tq.base. The state machine and its rules: docs/transferqueue.md.
+Two clients with the same operations on the same keys: `TransferQueue` over `redis.Redis` (the
+trainer, the CLI, audits) and `AsyncTransferQueue` over `redis.asyncio.Redis` (the gateway and
+the reward-service, on their event loops). Each operation is written once, as steps that either
+client runs (relayrl.tq.steps, relayrl.tq.runners): the transitions are here, the reads in
+relayrl.tq.reads, the event streams in relayrl.tq.events, the key plumbing in relayrl.tq.base.
+The state machine and its rules: docs/transferqueue.md.
 
 Every status change is one Lua script: it checks the current status, writes the new one and
 appends the transition to the partition's event stream in a single atomic step (see
@@ -36,11 +39,13 @@ import os
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import redis
+import redis.asyncio as aioredis
+import redis.asyncio.retry
+import redis.retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import codec
@@ -49,7 +54,6 @@ from relayrl.tq.base import (  # noqa: F401 (the errors' old home)
     TQAuthenticationError,
     TQUnavailableError,
     _positive_int,
-    unavailable_as_tq_error,
 )
 from relayrl.tq.config import TQConfig
 from relayrl.tq.errors import InvalidInputError
@@ -68,6 +72,8 @@ from relayrl.tq.model import (
     sources_of,
 )
 from relayrl.tq.reads import QueueReads
+from relayrl.tq.runners import AsyncRunner, SyncRunner
+from relayrl.tq.steps import Pipeline, Steps, command, operation
 
 log = logging.getLogger(__name__)
 
@@ -127,51 +133,44 @@ def _claimed_group(partition: str, fields: Sequence[bytes]) -> ClaimedGroup:
     return ClaimedGroup(group, claim_id.decode(), missing)
 
 
-class TransferQueue(QueueReads, QueueEvents):
-    """Client of the TransferQueue. Thread-safe (one Redis connection pool); services on
-    asyncio call it through `asyncio.to_thread`.
+class QueueOperations(QueueReads, QueueEvents):
+    """Every operation of the TransferQueue, written once (relayrl.tq.steps): the transitions
+    here, the reads and the event streams in the classes it extends. TransferQueue and
+    AsyncTransferQueue run them.
 
-    Give it a client without automatic retries (from_config builds one): a retried
-    claim_groups whose first reply was lost would claim a second batch. Puts, scores and consume
-    are idempotent, so a caller may retry those itself."""
+    Give a client without automatic retries (from_config builds one): a retried claim_groups
+    whose first reply was lost would claim a second batch. Puts, scores and consume are
+    idempotent, so a caller may retry those itself."""
 
     @classmethod
-    def from_config(cls, config: TQConfig) -> TransferQueue:
-        client = redis.Redis.from_url(
-            config.url,
-            **redis_options(config),
-            # No automatic retries: claim_groups is not idempotent, and callers decide.
-            retry=Retry(NoBackoff(), 0),
-        )
-        tq = cls(
+    def _from_config(cls, config: TQConfig, client: Any) -> Self:
+        return cls(
             client,
             namespace=config.namespace,
             max_value_bytes=config.max_value_bytes,
             event_stream_max_len=config.event_stream_max_len,
             durability=config.durability,
         )
-        for partition in config.partitions:
-            tq.create_partition(partition)
-        return tq
 
     # -- partitions -----------------------------------------------------------------------
 
-    def create_partition(self, partition: str) -> bool:
+    @operation
+    def create_partition(self, partition: str) -> Steps[bool]:
         """Creates a partition; returns False when it already existed."""
         codec.check_partition_name(partition)
-        with unavailable_as_tq_error():
-            return bool(self._redis.sadd(self._partitions_key(), partition))
+        return bool((yield command("sadd", self._partitions_key(), partition)))
 
-    def partitions(self) -> list[str]:
-        with unavailable_as_tq_error():
-            members = self._redis.smembers(self._partitions_key())
+    @operation
+    def partitions(self) -> Steps[list[str]]:
+        members = yield command("smembers", self._partitions_key())
         return sorted(p.decode() for p in members)
 
     # -- prompt groups --------------------------------------------------------------------
 
+    @operation
     def put_groups(
         self, partition: str, groups: Sequence[common_pb2.PromptGroup | bytes]
-    ) -> PutResult:
+    ) -> Steps[PutResult]:
         """Adds prompt groups as pending. Idempotent per uid (same content: no-op)."""
         codec.check_partition_name(partition)
         encoded = [codec.encode_group(g, partition, self._max_value_bytes) for g in groups]
@@ -180,9 +179,10 @@ class TransferQueue(QueueReads, QueueEvents):
         argv: list[Any] = [len(encoded)]
         for e in encoded:
             argv += [e.uid, e.prompt_step, e.num_samples, e.digest, e.data]
-        flags = self._call(partition, "put_groups", *argv)
+        flags = yield self._script(partition, "put_groups", *argv)
         return _put_result([e.uid for e in encoded], flags)
 
+    @operation
     def claim_groups(
         self,
         partition: str,
@@ -191,7 +191,7 @@ class TransferQueue(QueueReads, QueueEvents):
         claimer: str,
         lease_s: float,
         max_launched: int | None = None,
-    ) -> ClaimResult:
+    ) -> Steps[ClaimResult]:
         """Claims up to `max_groups` pending groups, oldest prompt step first.
 
         `max_launched` caps the partition-wide count of groups claimed and not yet returned to
@@ -201,10 +201,13 @@ class TransferQueue(QueueReads, QueueEvents):
         """
         _positive_int(max_groups, "max_groups", minimum=0)
         cap = self._claim_args(claimer, lease_s, max_launched)
-        raw = self._call(partition, "claim_groups", max_groups, cap, claimer, _lease_ms(lease_s))
+        raw = yield self._script(
+            partition, "claim_groups", max_groups, cap, claimer, _lease_ms(lease_s)
+        )
         claimed = [_claimed_group(partition, raw[i : i + 5]) for i in range(1, len(raw), 5)]
         return ClaimResult(claimed, int(raw[0]))
 
+    @operation
     def claim_named_groups(
         self,
         partition: str,
@@ -213,17 +216,18 @@ class TransferQueue(QueueReads, QueueEvents):
         claimer: str,
         lease_s: float,
         max_launched: int | None = None,
-    ) -> NamedClaimResult:
+    ) -> Steps[NamedClaimResult]:
         """Claims exactly the named groups that are pending (in the order given, while the
         launched cap allows): what an agent runner handed a group needs, with nothing else
         claimed and given back on the way. The others are reported with the reason."""
         cap = self._claim_args(claimer, lease_s, max_launched)
         names = _unique(uids, "group")
-        raw = self._call(
+        raw = yield self._script(
             partition, "claim_named", cap, claimer, _lease_ms(lease_s), len(names), *names
         )
         return self._named_claims(partition, raw)
 
+    @operation
     def put_and_claim_groups(
         self,
         partition: str,
@@ -232,7 +236,7 @@ class TransferQueue(QueueReads, QueueEvents):
         claimer: str,
         lease_s: float,
         max_launched: int | None = None,
-    ) -> NamedClaimResult:
+    ) -> Steps[NamedClaimResult]:
         """Puts `groups` and claims them in one atomic step (an agent's own groups are never
         pending for another claimer to take). All or nothing: a uid stored with other content
         raises ConflictError and a full launched cap reports every group 'throttled', and
@@ -245,7 +249,8 @@ class TransferQueue(QueueReads, QueueEvents):
         argv: list[Any] = [cap, claimer, _lease_ms(lease_s), len(encoded)]
         for e in encoded:
             argv += [e.uid, e.prompt_step, e.num_samples, e.digest, e.data]
-        return self._named_claims(partition, self._call(partition, "put_and_claim", *argv))
+        raw = yield self._script(partition, "put_and_claim", *argv)
+        return self._named_claims(partition, raw)
 
     @staticmethod
     def _claim_args(claimer: str, lease_s: float, max_launched: int | None) -> int:
@@ -266,14 +271,15 @@ class TransferQueue(QueueReads, QueueEvents):
         not_claimed = {rest[i].decode(): rest[i + 1].decode() for i in range(0, len(rest), 2)}
         return NamedClaimResult(claimed, not_claimed, launched)
 
+    @operation
     def renew_leases(
         self, partition: str, claims: Mapping[str, str] | Iterable[ClaimedGroup], lease_s: float
-    ) -> None:
+    ) -> Steps[None]:
         """Extends claims; raises StaleClaimError if any was lost (then none is extended)."""
         if not lease_s > 0:
             raise InvalidInputError(f"lease_s must be > 0, got {lease_s!r}")
         pairs = _claims(claims)
-        self._call(
+        yield self._script(
             partition,
             "renew_leases",
             max(1, round(lease_s * 1000)),
@@ -281,37 +287,41 @@ class TransferQueue(QueueReads, QueueEvents):
             *[x for pair in pairs for x in pair],
         )
 
+    @operation
     def release_groups(
         self,
         partition: str,
         claims: Mapping[str, str] | Iterable[ClaimedGroup],
         reason: str = "released",
-    ) -> int:
+    ) -> Steps[int]:
         """Gives claimed groups back to pending (trajectories already written are kept)."""
-        return self._end_claims(partition, claims, GroupStatus.PENDING, reason)
+        return (yield from self._end_claims(partition, claims, GroupStatus.PENDING, reason))
 
-    def release_claimer(self, partition: str, claimer: str, reason: str) -> list[str]:
+    @operation
+    def release_claimer(self, partition: str, claimer: str, reason: str) -> Steps[list[str]]:
         """Gives back every group still claimed under `claimer`'s name (running -> pending,
         trajectories already written kept), whatever its lease: what a claimer that starts
         calls for the claims an earlier process of the same name left when it died, so that
         they are not held until their leases expire. Claimer names must be unique among live
         claimers. Returns the uids."""
         self._claim_args(claimer, 1.0, None)
-        return [u.decode() for u in self._call(partition, "release_claimer", claimer, reason)]
+        return _decoded((yield self._script(partition, "release_claimer", claimer, reason)))
 
-    def requeue_expired(self, partition: str, max_groups: int = 1000) -> list[str]:
+    @operation
+    def requeue_expired(self, partition: str, max_groups: int = 1000) -> Steps[list[str]]:
         """Returns groups whose claim lease expired to pending; returns their uids."""
         _positive_int(max_groups, "max_groups")
-        return [u.decode() for u in self._call(partition, "requeue_expired", max_groups)]
+        return _decoded((yield self._script(partition, "requeue_expired", max_groups)))
 
+    @operation
     def fail_groups(
         self,
         partition: str,
         claims: Mapping[str, str] | Iterable[ClaimedGroup],
         reason: str,
-    ) -> int:
+    ) -> Steps[int]:
         """The claimer gives up on whole groups (running -> failed), e.g. every engine is down."""
-        return self._end_claims(partition, claims, GroupStatus.FAILED, reason)
+        return (yield from self._end_claims(partition, claims, GroupStatus.FAILED, reason))
 
     def _end_claims(
         self,
@@ -319,21 +329,28 @@ class TransferQueue(QueueReads, QueueEvents):
         claims: Mapping[str, str] | Iterable[ClaimedGroup],
         target: GroupStatus,
         reason: str,
-    ) -> int:
+    ) -> Steps[int]:
         pairs = _claims(claims)
         flat = [x for pair in pairs for x in pair]
-        return self._call(partition, "end_claims", target.value, reason, len(pairs), *flat)
+        return (
+            yield self._script(partition, "end_claims", target.value, reason, len(pairs), *flat)
+        )
 
+    @operation
     def reissue_groups(
         self, partition: str, uids: Iterable[str], prompt_step: int | None = None
-    ) -> int:
+    ) -> Steps[int]:
         """Failed groups back to pending, optionally re-stamped with the current step."""
         step = -1 if prompt_step is None else _positive_int(prompt_step, "prompt_step", 0)
-        return self._move(partition, uids, "reissue_groups", GroupStatus.PENDING, "reissued", step)
+        moved = self._move(partition, uids, "reissue_groups", GroupStatus.PENDING, "reissued", step)
+        return (yield from moved)
 
-    def drop_groups(self, partition: str, uids: Iterable[str], reason: str) -> int:
+    @operation
+    def drop_groups(self, partition: str, uids: Iterable[str], reason: str) -> Steps[int]:
         """Evicts finished or scored groups (too stale, no training signal)."""
-        return self._move(partition, uids, "drop_groups", GroupStatus.DROPPED, reason, -1)
+        return (
+            yield from self._move(partition, uids, "drop_groups", GroupStatus.DROPPED, reason, -1)
+        )
 
     def _move(
         self,
@@ -343,16 +360,19 @@ class TransferQueue(QueueReads, QueueEvents):
         target: GroupStatus,
         reason: str,
         step: int,
-    ) -> int:
+    ) -> Steps[int]:
         keys = _unique((codec.check_uid(u) for u in uids), "group")
         sources = ",".join(sources_of(operation))
-        return self._call(
-            partition, "move_groups", target.value, sources, reason, step, len(keys), *keys
+        return (
+            yield self._script(
+                partition, "move_groups", target.value, sources, reason, step, len(keys), *keys
+            )
         )
 
     # -- trajectories ---------------------------------------------------------------------
 
-    def put_trajectories(self, partition: str, puts: Sequence[TrajectoryPut]) -> PutResult:
+    @operation
+    def put_trajectories(self, partition: str, puts: Sequence[TrajectoryPut]) -> Steps[PutResult]:
         """Writes trajectories under their group's claim. A group whose every sample is written
         becomes finished (and scored at once if every sample failed). Idempotent per key."""
         codec.check_partition_name(partition)
@@ -384,17 +404,19 @@ class TransferQueue(QueueReads, QueueEvents):
         # renames them into place: bulk bytes never pass through Lua, and a client that dies
         # before EXEC leaves nothing behind.
         stage = f"{self._key_prefix(partition)}stage:{uuid.uuid4().hex}:"
-        pipe = self._redis.pipeline(transaction=True)
-        for i, e in enumerate(encoded):
-            pipe.set(f"{stage}{i}", e.data)
-        flags = self._call(partition, "put_trajectories", stage, len(encoded), *argv, pipe=pipe)
+        flags = yield Pipeline(
+            [command("set", f"{stage}{i}", e.data) for i, e in enumerate(encoded)],
+            transaction=True,
+            then=self._script(partition, "put_trajectories", stage, len(encoded), *argv),
+        )
         return _put_result([e.key for e in encoded], flags)
 
+    @operation
     def score_trajectories(
         self,
         partition: str,
         rewards: Mapping[str, common_pb2.RewardResult | bytes],
-    ) -> list[str]:
+    ) -> Steps[list[str]]:
         """Attaches rewards to finished trajectories (key -> result). The first score of a key
         stands: scoring it again is a no-op, so a redelivered event cannot score twice.
         Returns the keys scored by this call."""
@@ -406,51 +428,57 @@ class TransferQueue(QueueReads, QueueEvents):
             argv += [key, int(status), int(status in INFRA_REWARD_STATUSES), data]
         if not keys:
             return []
-        flags = self._call(partition, "score_trajectories", *argv)
+        flags = yield self._script(partition, "score_trajectories", *argv)
         return [key for key, flag in zip(keys, flags, strict=True) if flag]
 
     # -- trainer side ---------------------------------------------------------------------
 
-    def consume(self, partition: str, step: int, num_groups: int) -> list[str]:
+    @operation
+    def consume(self, partition: str, step: int, num_groups: int) -> Steps[list[str]]:
         """Marks up to `num_groups` scored groups (oldest prompt step first) consumed at `step`
         and returns every group consumed at `step`. Calling it again for the same step returns
         the same groups (topped up to `num_groups`): a retried step never takes new data."""
         _positive_int(step, "step", 0)
         _positive_int(num_groups, "num_groups", 0)
-        return [u.decode() for u in self._call(partition, "consume", step, num_groups)]
+        return _decoded((yield self._script(partition, "consume", step, num_groups)))
 
-    def reset_consumption(self, partition: str, after_step: int) -> list[str]:
+    @operation
+    def reset_consumption(self, partition: str, after_step: int) -> Steps[list[str]]:
         """After restoring the checkpoint of `after_step`: groups consumed at later steps go back
         to scored, so resuming neither loses nor re-trains a trajectory. -1: a trainer that
         starts over without a checkpoint gives back every consumed group."""
         if not isinstance(after_step, int) or isinstance(after_step, bool) or after_step < -1:
             raise InvalidInputError(f"after_step must be an integer >= -1, got {after_step!r}")
-        return [u.decode() for u in self._call(partition, "reset_consumption", after_step)]
+        return _decoded((yield self._script(partition, "reset_consumption", after_step)))
 
     # -- inspection ---------------------------------------------------------------------------
 
-    def audit_snapshot(self, partition: str, page: int = 10_000) -> PartitionSnapshot:
+    @operation
+    def audit_snapshot(self, partition: str, page: int = 10_000) -> Steps[PartitionSnapshot]:
         """Every group with its trajectories, the leases, the whole event stream and the
         consumer groups of a partition: what an audit of a stopped run reads (`relayrl audit`).
         Not one atomic step, and as big as the partition: not for a running system's hot path."""
-        uids = self.group_uids(partition)
-        groups = {g.group.uid: g for g in self.get_groups(partition, uids)} if uids else {}
+        uids = yield from self.group_uids.steps(partition)
+        groups = {}
+        if uids:
+            groups = {g.group.uid: g for g in (yield from self.get_groups.steps(partition, uids))}
         events: list[Event] = []
         start = "-"
         while True:
-            batch = self.read_events(partition, start, page)
+            batch = yield from self.read_events.steps(partition, start, page)
             events += batch
             if len(batch) < page:
                 break
             start = "(" + batch[-1].id
         return PartitionSnapshot(
             groups=groups,
-            leases=self.leases(partition),
+            leases=(yield from self.leases.steps(partition)),
             events=events,
-            consumer_groups=self.consumer_groups(partition, page),
+            consumer_groups=(yield from self.consumer_groups.steps(partition, page)),
         )
 
-    def check_durability(self) -> None:
+    @operation
+    def check_durability(self) -> Steps[None]:
         """Raises DurabilityError unless the server runs with AOF and the configured fsync policy.
         A server that hides CONFIG (managed Redis) gets a warning instead; so does every server
         with `durability: off`."""
@@ -461,8 +489,7 @@ class TransferQueue(QueueReads, QueueEvents):
             )
             return
         try:
-            with unavailable_as_tq_error():
-                config = self._redis.config_get("append*")
+            config = yield command("config_get", "append*")
         except redis.ResponseError as exc:
             log.warning("cannot read the Redis config to check durability (%s)", exc)
             return
@@ -478,7 +505,77 @@ class TransferQueue(QueueReads, QueueEvents):
             )
 
 
+def _decoded(uids: list[bytes]) -> list[str]:
+    return [u.decode() for u in uids]
+
+
 def _put_result(keys: list[str], flags: list[int]) -> PutResult:
     created = [k for k, f in zip(keys, flags, strict=True) if f]
     duplicates = [k for k, f in zip(keys, flags, strict=True) if not f]
     return PutResult(created, duplicates)
+
+
+class TransferQueue(QueueOperations):
+    """Client of the TransferQueue over `redis.Redis`: every operation returns its result.
+    Thread-safe (one Redis connection pool); the trainer, the CLI and audits use it. Services
+    on asyncio use AsyncTransferQueue, which has the same operations."""
+
+    _runner_type = SyncRunner
+    _runner: SyncRunner
+    _redis: redis.Redis
+
+    @classmethod
+    def from_config(cls, config: TQConfig) -> TransferQueue:
+        """A client with the config's options, no automatic retries (see QueueOperations),
+        and the config's partitions created."""
+        # No automatic retries: claim_groups is not idempotent, and callers decide.
+        no_retries = redis.retry.Retry(NoBackoff(), 0)
+        client = redis.Redis.from_url(config.url, **redis_options(config), retry=no_retries)
+        tq = cls._from_config(config, client)
+        for partition in config.partitions:
+            tq.create_partition(partition)
+        return tq
+
+    @property
+    def redis(self) -> redis.Redis:
+        return self._redis
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+class AsyncTransferQueue(QueueOperations):
+    """Client of the TransferQueue over `redis.asyncio.Redis`, for the services on asyncio
+    (gateway, reward-service): every operation is a coroutine, the same operations as
+    TransferQueue's, on the same keys. Use it from one event loop; `aclose` it there."""
+
+    _runner_type = AsyncRunner
+    _runner: AsyncRunner
+    _redis: aioredis.Redis
+
+    @classmethod
+    def from_config(cls, config: TQConfig) -> AsyncTransferQueue:
+        """A client with the config's options and no automatic retries, as
+        TransferQueue.from_config builds, without I/O: a service creates its partitions once
+        Redis answers (`await create_partition`), so `config.partitions` must be empty."""
+        if config.partitions:
+            raise InvalidInputError(
+                "AsyncTransferQueue.from_config does no I/O and creates no partitions: pass "
+                "partitions=[] and await create_partition for each"
+            )
+        no_retries = redis.asyncio.retry.Retry(NoBackoff(), 0)
+        client = aioredis.Redis.from_url(config.url, **redis_options(config), retry=no_retries)
+        return cls._from_config(config, client)
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        return self._redis
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

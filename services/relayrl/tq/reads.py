@@ -7,25 +7,26 @@ from collections.abc import Iterable, Sequence
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import codec
-from relayrl.tq.base import QueueBase, unavailable_as_tq_error
+from relayrl.tq.base import QueueBase
 from relayrl.tq.errors import InvalidInputError, UnknownKeyError
 from relayrl.tq.model import Counts, GroupStatus, GroupWithTrajectories, Lease, TrajectoryStatus
+from relayrl.tq.steps import Command, Pipeline, Script, Steps, command, operation
 
 
 class QueueReads(QueueBase):
     """What a partition holds, read with pipelined commands (never a transition)."""
 
+    @operation
     def get_groups(
         self, partition: str, uids: Sequence[str], *, with_trajectories: bool = True
-    ) -> list[GroupWithTrajectories]:
+    ) -> Steps[list[GroupWithTrajectories]]:
         """Reads groups (with tags) and, optionally, their written trajectories (in index order).
         Raises UnknownKeyError for a missing group."""
         codec.check_partition_name(partition)
         prefix = self._key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for uid in uids:
-            pipe.hgetall(f"{prefix}g:{codec.check_uid(uid)}")
-        group_fields = self._pipeline_execute(pipe)
+        group_fields = yield Pipeline(
+            [command("hgetall", f"{prefix}g:{codec.check_uid(uid)}") for uid in uids]
+        )
         groups = []
         for uid, fields in zip(uids, group_fields, strict=True):
             if not fields:
@@ -33,81 +34,98 @@ class QueueReads(QueueBase):
             groups.append(codec.decode_group(partition, uid, fields))
         trajectories: list[list[common_pb2.Trajectory]] = [[] for _ in groups]
         if with_trajectories:
-            wanted = [(n, g.uid, i) for n, g in enumerate(groups) for i in range(g.num_samples)]
-            pipe = self._redis.pipeline(transaction=False)
-            for _, uid, i in wanted:
-                pipe.hgetall(f"{prefix}t:{codec.trajectory_key(uid, i)}")
-                pipe.get(f"{prefix}td:{codec.trajectory_key(uid, i)}")
-            replies = self._pipeline_execute(pipe)
-            for (n, uid, i), fields, data in zip(wanted, replies[::2], replies[1::2], strict=True):
+            wanted = [
+                (n, codec.trajectory_key(g.uid, i))
+                for n, g in enumerate(groups)
+                for i in range(g.num_samples)
+            ]
+            replies = yield Pipeline(self._trajectory_reads(prefix, [key for _, key in wanted]))
+            for (n, key), fields, data in zip(wanted, replies[::2], replies[1::2], strict=True):
                 if fields:
-                    key = codec.trajectory_key(uid, i)
                     trajectories[n].append(codec.decode_trajectory(partition, key, fields, data))
         return [GroupWithTrajectories(g, t) for g, t in zip(groups, trajectories, strict=True)]
 
-    def groups_exist(self, partition: str, uids: Sequence[str]) -> list[bool]:
+    @staticmethod
+    def _trajectory_reads(prefix: str, keys: Sequence[str]) -> list[Command]:
+        """Each trajectory's tags, then its bytes."""
+        commands = []
+        for key in keys:
+            commands += [
+                command("hgetall", f"{prefix}t:{key}"),
+                command("get", f"{prefix}td:{key}"),
+            ]
+        return commands
+
+    @operation
+    def groups_exist(self, partition: str, uids: Sequence[str]) -> Steps[list[bool]]:
         """Whether each uid names a group in the partition (in any status)."""
         prefix = self._key_prefix(codec.check_partition_name(partition))
-        pipe = self._redis.pipeline(transaction=False)
-        for uid in uids:
-            pipe.exists(f"{prefix}g:{codec.check_uid(uid)}")
-        return [bool(n) for n in self._pipeline_execute(pipe)]
+        found = yield Pipeline([command("exists", f"{prefix}g:{codec.check_uid(u)}") for u in uids])
+        return [bool(n) for n in found]
 
-    def group_uids(self, partition: str, status: GroupStatus | None = None) -> list[str]:
+    @operation
+    def group_uids(self, partition: str, status: GroupStatus | None = None) -> Steps[list[str]]:
         """The uids of every group of the partition (a SCAN: meant for audits and tests, not for
         a hot path), or of those in `status` (its index), sorted."""
         codec.check_partition_name(partition)
         prefix = self._key_prefix(partition)
-        with unavailable_as_tq_error():
-            if status is not None:
-                members = self._redis.zrange(f"{prefix}gs:{GroupStatus(status).value}", 0, -1)
-                return sorted(uid.decode() for uid in members)
-            found = self._redis.scan_iter(f"{prefix}g:*", count=1000)
-            return sorted(key.decode()[len(prefix) + 2 :] for key in found)
+        if status is not None:
+            members = yield command("zrange", f"{prefix}gs:{GroupStatus(status).value}", 0, -1)
+            return sorted(uid.decode() for uid in members)
+        found: list[bytes] = []
+        cursor = 0
+        while True:
+            cursor, keys = yield command("scan", cursor, match=f"{prefix}g:*", count=1000)
+            found += keys
+            if cursor == 0:
+                return sorted({key.decode()[len(prefix) + 2 :] for key in found})
 
-    def leases(self, partition: str) -> list[Lease]:
+    @operation
+    def leases(self, partition: str) -> Steps[list[Lease]]:
         """The claims of the running groups, earliest deadline first (one atomic read)."""
         codec.check_partition_name(partition)
         prefix = self._key_prefix(partition)
-        raw = self._run(partition, "leases", [f"{prefix}leases"], [prefix])
+        raw = yield Script(partition, "leases", [f"{prefix}leases"], [prefix])
         return [
             Lease(uid.decode(), claim.decode(), claimer.decode(), int(float(deadline)))
             for uid, deadline, claim, claimer in zip(*[iter(raw)] * 4, strict=True)
         ]
 
-    def get_trajectories(self, partition: str, keys: Sequence[str]) -> list[common_pb2.Trajectory]:
+    @operation
+    def get_trajectories(
+        self, partition: str, keys: Sequence[str]
+    ) -> Steps[list[common_pb2.Trajectory]]:
         """Reads trajectories by key; raises UnknownKeyError for a missing one."""
         codec.check_partition_name(partition)
-        prefix = self._key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             codec.split_trajectory_key(key)
-            pipe.hgetall(f"{prefix}t:{key}")
-            pipe.get(f"{prefix}td:{key}")
+        replies = yield Pipeline(self._trajectory_reads(self._key_prefix(partition), keys))
         out = []
-        replies = self._pipeline_execute(pipe)
         for key, fields, data in zip(keys, replies[::2], replies[1::2], strict=True):
             if not fields:
                 raise UnknownKeyError(partition, key)
             out.append(codec.decode_trajectory(partition, key, fields, data))
         return out
 
-    def counts(self, partition: str) -> Counts:
+    @operation
+    def counts(self, partition: str) -> Steps[Counts]:
         """Groups by status, trajectories by status, and the launched counter (for metrics)."""
         codec.check_partition_name(partition)
         prefix = self._key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for status in GroupStatus:
-            pipe.zcard(f"{prefix}gs:{status.value}")
-        pipe.hgetall(f"{prefix}tcount")
-        pipe.get(f"{prefix}launched")
-        *group_counts, traj_counts, launched = self._pipeline_execute(pipe)
+        *group_counts, traj_counts, launched = yield Pipeline(
+            [
+                *(command("zcard", f"{prefix}gs:{status.value}") for status in GroupStatus),
+                command("hgetall", f"{prefix}tcount"),
+                command("get", f"{prefix}launched"),
+            ]
+        )
         return Counts(
             groups=dict(zip(GroupStatus, group_counts, strict=True)),
             trajectories={s: int(traj_counts.get(s.value.encode(), 0)) for s in TrajectoryStatus},
             num_launched=int(launched or 0),
         )
 
+    @operation
     def staleness(
         self,
         partition: str,
@@ -118,33 +136,38 @@ class QueueReads(QueueBase):
             GroupStatus.FINISHED,
             GroupStatus.SCORED,
         ),
-    ) -> dict[GroupStatus, dict[int, int]]:
+    ) -> Steps[dict[GroupStatus, dict[int, int]]]:
         """Histogram of staleness (step - prompt_step + 1) of the groups in each status."""
         codec.check_partition_name(partition)
         statuses = list(statuses)
         if GroupStatus.CONSUMED in statuses:
             raise InvalidInputError("consumed groups have no staleness at `step`; leave them out")
         prefix = self._key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for status in statuses:
-            pipe.zrange(f"{prefix}gs:{status.value}", 0, -1, withscores=True)
+        replies = yield Pipeline(
+            [command("zrange", f"{prefix}gs:{s.value}", 0, -1, withscores=True) for s in statuses]
+        )
         out = {}
-        for status, members in zip(statuses, self._pipeline_execute(pipe), strict=True):
+        for status, members in zip(statuses, replies, strict=True):
             out[status] = dict(sorted(Counter(step - int(s) + 1 for _, s in members).items()))
         return out
 
+    @operation
     def groups_issued_by(
         self, partition: str, statuses: Iterable[GroupStatus], max_prompt_step: int
-    ) -> dict[GroupStatus, list[str]]:
+    ) -> Steps[dict[GroupStatus, list[str]]]:
         """Uids of the groups in each status whose prompt_step is <= `max_prompt_step` (the
         trainer's staleness gate: staleness > t at step s <=> prompt_step <= s - t)."""
         codec.check_partition_name(partition)
         statuses = list(statuses)
         prefix = self._key_prefix(partition)
-        pipe = self._redis.pipeline(transaction=False)
-        for status in statuses:
-            pipe.zrangebyscore(f"{prefix}gs:{GroupStatus(status).value}", "-inf", max_prompt_step)
-        replies = self._pipeline_execute(pipe)
+        replies = yield Pipeline(
+            [
+                command(
+                    "zrangebyscore", f"{prefix}gs:{GroupStatus(s).value}", "-inf", max_prompt_step
+                )
+                for s in statuses
+            ]
+        )
         return {
             GroupStatus(s): [u.decode() for u in uids]
             for s, uids in zip(statuses, replies, strict=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from importlib import resources
 
 import redis
-from redis.commands.core import Script
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript, Script
 
 from relayrl.tq.errors import (
     ConflictError,
@@ -40,8 +41,9 @@ def _source(name: str) -> str:
     return resources.files("relayrl.tq").joinpath("lua", f"{name}.lua").read_text()
 
 
-def load_scripts(client: redis.Redis) -> dict[str, Script]:
-    """Registers every script with the client (EVALSHA, reloaded after a Redis restart)."""
+def load_scripts(client: redis.Redis | aioredis.Redis) -> dict[str, Script | AsyncScript]:
+    """Registers every script with the client, sync or asyncio (EVALSHA, reloaded after a Redis
+    restart)."""
     prelude = _source("prelude")
     scripts = {
         name: client.register_script(f"{prelude}\n{_source(name)}") for name in PARTITION_SCRIPTS

@@ -13,9 +13,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import redis
+import redis.asyncio as aioredis
 
 from relayrl.core.ports import free_port
 
@@ -159,14 +160,22 @@ class RedisServer:
         finally:
             client.close()
 
-    def client(self, **kwargs) -> redis.Redis:
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return redis.Redis(**self._client_options(kwargs))
+
+    def async_client(self, **kwargs: Any) -> aioredis.Redis:
+        """A redis.asyncio client of the server (for an AsyncTransferQueue), with `client`'s
+        options; use it from one event loop."""
+        return aioredis.Redis(**self._client_options(kwargs))
+
+    def _client_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.tls is not None:
             # its own client: the server's certificate (with the client's when it asks for one)
             kwargs = {"ssl": True, "ssl_ca_certs": str(self.tls.ca_file), **kwargs}
             if self.tls.require_client_cert:
                 kwargs.setdefault("ssl_certfile", str(self.tls.cert_file))
                 kwargs.setdefault("ssl_keyfile", str(self.tls.key_file))
-        return redis.Redis(host=self.host, port=self.port, password=self.password, **kwargs)
+        return {"host": self.host, "port": self.port, "password": self.password, **kwargs}
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM: Redis flushes and fsyncs the AOF, then exits."""

@@ -17,7 +17,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +52,9 @@ from relayrl.inference.client import (
 )
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.proto.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from relayrl.tq import TransferQueue
+from relayrl.tq import AsyncTransferQueue, TransferQueue
 from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers.queues import run_with_async_queue
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
 
 
 async def scripted_sessions(
-    tq: TransferQueue, tokenizer: PreTrainedTokenizerBase, *, health_checks: bool = False
+    tq: AsyncTransferQueue, tokenizer: PreTrainedTokenizerBase, *, health_checks: bool = False
 ) -> tuple[ReplicaPool, ScriptedEngine, AgentSessions]:
     """Started agent sessions on one scripted engine replica (`engine-0`)."""
     pool = ReplicaPool(health_interval_s=0.1)
@@ -181,17 +182,6 @@ async def scripted_sessions(
     )
     await sessions.start()
     return pool, engine, sessions
-
-
-def run_on_queue(
-    redis_server: RedisServer, main: Callable[[TransferQueue], Awaitable[None]]
-) -> None:
-    """`main` run to its end with a queue on `redis_server`, closed after."""
-    tq = TransferQueue(redis_server.client())
-    try:
-        asyncio.run(main(tq))
-    finally:
-        tq.close()
 
 
 def rescored_logprobs(model_dir: Path, trajectory: common_pb2.Trajectory) -> list[float]:
@@ -1046,7 +1036,7 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
     def chat(messages: list[dict[str, Any]]) -> ChatRequest:
         return ChatRequest(messages, None, TurnSampling(max_tokens=8))
 
-    async def main(tq: TransferQueue) -> None:
+    async def main(tq: AsyncTransferQueue) -> None:
         # health checks: the failure takes the replica out until its next check
         pool, engine, sessions = await scripted_sessions(tq, tokenizer, health_checks=True)
         # A caller may not open ad-hoc sessions unless agent_http.adhoc_sessions says so.
@@ -1054,7 +1044,7 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
             await sessions.open_for_caller(SessionSpec(data_source="x"))
         assert adhoc.value.kind is ErrorKind.FORBIDDEN and "adhoc_sessions" in str(adhoc.value)
         # A pending group ahead of the session's stays pending: put-and-claim takes only its own.
-        tq.put_groups(
+        await tq.put_groups(
             AGENT_PARTITION,
             [common_pb2.PromptGroup(uid="aaa", num_samples=1, prompt_token_ids=[1])],
         )
@@ -1067,7 +1057,7 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
         assert sessions.get(session_id).num_turns == 0  # nothing recorded; retry
         first = await sessions.chat(session_id, chat(hello))
         assert first.content == tokenizer.decode([70, 71, 72])
-        (passed,) = tq.get_groups(AGENT_PARTITION, ["aaa"], with_trajectories=False)
+        (passed,) = await tq.get_groups(AGENT_PARTITION, ["aaa"], with_trajectories=False)
         assert passed.group.tags.status == common_pb2.GROUP_STATUS_PENDING
 
         follow_up = [*hello, {"role": "assistant", "content": first.content}]
@@ -1082,7 +1072,7 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
         with pytest.raises(AgentError) as cut:
             await in_flight
         assert cut.value.kind is ErrorKind.ENDED and "evicted" in str(cut.value)
-        (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [end.trajectory_key])
+        (trajectory,) = await tq.get_trajectories(AGENT_PARTITION, [end.trajectory_key])
         assert trajectory.tags.is_infra and trajectory.error == "the agent's container was evicted"
         assert list(trajectory.response_token_ids) == [70, 71, 72, engine._im_end]
         (span,) = trajectory.spans
@@ -1090,7 +1080,7 @@ def test_an_abort_cancels_the_request_in_flight_and_engine_failures_keep_the_ses
         await sessions.close()
         await pool.close()
 
-    run_on_queue(redis_server, main)
+    run_with_async_queue(redis_server, main)
 
 
 def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructure_failed(
@@ -1106,7 +1096,7 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
     def chat(messages: list[dict[str, Any]]) -> ChatRequest:
         return ChatRequest(messages, None, TurnSampling(max_tokens=8))
 
-    async def main(tq: TransferQueue) -> None:
+    async def main(tq: AsyncTransferQueue) -> None:
         pool, engine, sessions = await scripted_sessions(tq, tokenizer, health_checks=True)
 
         async def session(script: list[str]) -> str:
@@ -1157,7 +1147,7 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         assert ends["nothing"].reason == f"{who} with no generation"
         assert ends["in_flight"].reason == f"{who} while its request was still being answered"
         keys = [ends[name].trajectory_key for name in ("answered", "failed_last", "in_flight")]
-        finished, failed, cut = tq.get_trajectories(AGENT_PARTITION, keys)
+        finished, failed, cut = await tq.get_trajectories(AGENT_PARTITION, keys)
         assert not finished.tags.is_infra and not finished.error
         assert not finished.HasField("env_reward")  # a close without the environment's reward
         assert failed.tags.is_infra and "connection refused" in failed.error
@@ -1166,7 +1156,7 @@ def test_an_agent_that_exits_ends_its_session_as_a_close_unless_the_infrastructu
         await sessions.close()
         await pool.close()
 
-    run_on_queue(redis_server, main)
+    run_with_async_queue(redis_server, main)
 
 
 def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
@@ -1179,7 +1169,7 @@ def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
     hello = [{"role": "user", "content": "hello"}]
     posing = {"env_reward": "1.0", "env_reward_status": "ok", "task": "t"}
 
-    async def main(tq: TransferQueue) -> None:
+    async def main(tq: AsyncTransferQueue) -> None:
         pool, engine, sessions = await scripted_sessions(tq, tokenizer)
         keys = []
         for reward in (EnvReward("fail", 0.25, "2 of 8 checks"), None):
@@ -1191,7 +1181,7 @@ def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
             end = await sessions.close_session(session_id, env_reward=reward)
             assert end.outcome == "finished", end
             keys.append(end.trajectory_key)
-        reported, silent = tq.get_trajectories(AGENT_PARTITION, keys)
+        reported, silent = await tq.get_trajectories(AGENT_PARTITION, keys)
         assert reported.env_reward == common_pb2.EnvReward(
             status=common_pb2.ENV_REWARD_STATUS_FAIL, score=0.25, message="2 of 8 checks"
         )
@@ -1201,7 +1191,7 @@ def test_only_a_close_sets_the_environment_reward_and_labels_stay_labels(
         await sessions.close()
         await pool.close()
 
-    run_on_queue(redis_server, main)
+    run_with_async_queue(redis_server, main)
 
 
 def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sample(
@@ -1216,7 +1206,7 @@ def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sam
     def chat(messages: list[dict[str, Any]], tools: Any = None) -> ChatRequest:
         return ChatRequest(messages, tools, TurnSampling(max_tokens=8))
 
-    async def main(tq: TransferQueue) -> None:
+    async def main(tq: AsyncTransferQueue) -> None:
         pool = ReplicaPool(health_interval_s=0.1)
         engine = ScriptedEngine(tokenizer.convert_tokens_to_ids("<|im_end|>"))
         await pool.add("engine-0", engine)
@@ -1249,7 +1239,7 @@ def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sam
             session_id, chat([*hello, reply, {"role": "user", "content": "again"}])
         )
         end = await sessions.close_session(session_id)
-        (trajectory,) = tq.get_trajectories(AGENT_PARTITION, [end.trajectory_key])
+        (trajectory,) = await tq.get_trajectories(AGENT_PARTITION, [end.trajectory_key])
 
         assert [r.turn for r in (first, with_tools, summary, again)] == [0, 1, 2, 3]
         assert (end.outcome, end.num_turns) == ("finished", 4)
@@ -1298,4 +1288,4 @@ def test_a_request_that_extends_no_conversation_starts_a_segment_of_the_same_sam
         await strict.close()
         await pool.close()
 
-    run_on_queue(redis_server, main)
+    run_with_async_queue(redis_server, main)

@@ -16,7 +16,9 @@ from relayrl.gateway.metrics import GatewayMetrics
 from relayrl.gateway.replicas import ReplicaPool
 from relayrl.gateway.rollout import RolloutWorker, Throttle
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import TransferQueue
+from relayrl.tq import AsyncTransferQueue, TransferQueue
+from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers.queues import run_with_async_queue
 
 P = "train"
 
@@ -30,7 +32,9 @@ class Endless:
         await asyncio.Event().wait()
 
 
-def test_a_clean_stop_gives_back_the_groups_in_flight(tq: TransferQueue) -> None:
+def test_a_clean_stop_gives_back_the_groups_in_flight(
+    tq: TransferQueue, redis_server: RedisServer
+) -> None:
     tq.put_groups(
         P,
         [
@@ -41,10 +45,10 @@ def test_a_clean_stop_gives_back_the_groups_in_flight(tq: TransferQueue) -> None
     # a process of the same name, killed with g2 claimed for ten minutes
     tq.claim_named_groups(P, ["g2"], claimer="gw-test", lease_s=600)
 
-    async def scenario() -> None:
+    async def scenario(atq: AsyncTransferQueue) -> None:
         pool = ReplicaPool(health_interval_s=60, metrics=GatewayMetrics(CollectorRegistry()))
         worker = RolloutWorker(
-            tq,
+            atq,
             pool,
             {"single_turn": Endless()},  # type: ignore[dict-item]
             lambda group, index: None,  # type: ignore[arg-type,return-value]
@@ -65,7 +69,7 @@ def test_a_clean_stop_gives_back_the_groups_in_flight(tq: TransferQueue) -> None
             await worker.close()
             await pool.close()
 
-    asyncio.run(scenario())
+    run_with_async_queue(redis_server, scenario)
     counts = tq.counts(P)
     assert counts.groups.get("running", 0) == 0 and counts.groups.get("pending") == 3
     assert counts.num_launched == 0 and tq.leases(P) == []

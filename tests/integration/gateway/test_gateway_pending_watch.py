@@ -9,8 +9,9 @@ import time
 
 from relayrl.gateway.rollout import WATCH_BLOCK_MS, _PendingWatcher
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import TransferQueue
+from relayrl.tq import AsyncTransferQueue, TransferQueue
 from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers.queues import run_with_async_queue
 
 P = "train"
 
@@ -28,36 +29,34 @@ async def woken(wake: asyncio.Event, timeout_s: float) -> bool:
 
 
 def test_a_pending_group_wakes_the_claim_loop_and_other_transitions_do_not(
-    tq: TransferQueue,
+    tq: TransferQueue, redis_server: RedisServer
 ) -> None:
-    async def main() -> None:
+    async def main(atq: AsyncTransferQueue) -> None:
         wake = asyncio.Event()
-        watcher = _PendingWatcher(tq, P, wake)
+        watcher = _PendingWatcher(atq, P, wake)
         watcher.start()
         try:
             await asyncio.sleep(0.2)  # blocked on the stream by now
-            tq.put_groups(P, [group("a")])
+            await atq.put_groups(P, [group("a")])
             started = time.monotonic()
             assert await woken(wake, 5.0)
             assert time.monotonic() - started < WATCH_BLOCK_MS / 1000  # not a poll's wait
             wake.clear()
-            await asyncio.to_thread(tq.claim_groups, P, max_groups=1, claimer="w", lease_s=60)
+            await atq.claim_groups(P, max_groups=1, claimer="w", lease_s=60)
             assert not await woken(wake, 0.5)  # pending -> running wakes no one
-            tq.put_groups("val", [group("v")])
+            tq.put_groups("val", [group("v")])  # the sync client, on the same keys
             assert not await woken(wake, 0.3)  # another partition's work
             tq.put_groups(P, [group("b")])
             assert await woken(wake, 5.0)
         finally:
-            watcher.stop()
+            await watcher.close()  # at once, though the watcher is blocked in a read
 
-    asyncio.run(main())
+    run_with_async_queue(redis_server, main)
 
 
 def test_the_watcher_survives_redis_going_away(redis_server: RedisServer) -> None:
-    tq = TransferQueue(redis_server.client(socket_connect_timeout=0.5))
-    tq.create_partition(P)
-
-    async def main() -> None:
+    async def main(tq: AsyncTransferQueue) -> None:
+        await tq.create_partition(P)
         wake = asyncio.Event()
         watcher = _PendingWatcher(tq, P, wake)
         watcher.start()
@@ -65,14 +64,10 @@ def test_the_watcher_survives_redis_going_away(redis_server: RedisServer) -> Non
             await asyncio.sleep(0.2)
             redis_server.kill()
             await asyncio.sleep(1.5)  # its reads fail now; it waits and tries again
-            assert watcher._thread.is_alive()
+            assert watcher._task is not None and not watcher._task.done()
             assert not wake.is_set()
         finally:
-            watcher.stop()
-            watcher._thread.join(5)
-        assert not watcher._thread.is_alive()
+            await watcher.close()
+        assert watcher._task.done()
 
-    try:
-        asyncio.run(main())
-    finally:
-        tq.close()
+    run_with_async_queue(redis_server, main, socket_connect_timeout=0.5)

@@ -25,7 +25,9 @@ from relayrl.inference.client import (
     VersionSpan,
 )
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import TransferQueue
+from relayrl.tq import AsyncTransferQueue, TransferQueue
+from relayrl.tq.server import RedisServer
+from relayrl_testkit.helpers.queues import run_with_async_queue
 
 P = "train"
 B = 2
@@ -80,7 +82,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.mark.parametrize("eta", [0, 1, 2])
 def test_launches_stop_at_the_bound_and_open_by_b_per_step(
-    tq: TransferQueue, tokenizer: Any, eta: int
+    tq: TransferQueue, redis_server: RedisServer, tokenizer: Any, eta: int
 ) -> None:
     def context_for(group: common_pb2.PromptGroup, index: int) -> AgentContext:
         return AgentContext(
@@ -99,12 +101,12 @@ def test_launches_stop_at_the_bound_and_open_by_b_per_step(
         ],
     )
 
-    async def scenario() -> None:
+    async def scenario(atq: AsyncTransferQueue) -> None:
         metrics = GatewayMetrics(CollectorRegistry())
         pool = ReplicaPool(health_interval_s=60, metrics=metrics)
         await pool.add("engine-0", InstantEngine())
         worker = RolloutWorker(
-            tq,
+            atq,
             pool,
             build_agent_loops(),
             context_for,
@@ -136,7 +138,7 @@ def test_launches_stop_at_the_bound_and_open_by_b_per_step(
             await worker.close()
             await pool.close()
 
-    asyncio.run(scenario())
+    run_with_async_queue(redis_server, scenario)
 
 
 async def wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]

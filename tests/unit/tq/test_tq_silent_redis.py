@@ -1,5 +1,6 @@
 """Every Redis client of the TransferQueue's config is bounded, and a Redis that went silent
-fails a command within tq.socket_timeout_s (docs/recovery.md#silent-peers)."""
+fails a command within tq.socket_timeout_s (docs/recovery.md#silent-peers), through the sync
+and the asyncio client alike."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import time
 
 import pytest
 
-from relayrl.tq import TQConfig, TQUnavailableError, TransferQueue
+from relayrl.tq import (
+    AsyncEventConsumer,
+    AsyncTransferQueue,
+    TQConfig,
+    TQUnavailableError,
+    TransferQueue,
+)
 from relayrl.tq.errors import InvalidInputError
 from relayrl.tq.queue import redis_options
 from relayrl_testkit.helpers.silent_peer import SilentListener
@@ -45,6 +52,21 @@ def test_the_queue_fails_a_command_to_a_silent_redis_within_its_socket_timeout()
         tq.close()
 
 
+def test_the_async_queue_fails_a_command_to_a_silent_redis_within_its_socket_timeout() -> None:
+    async def scenario(tq: AsyncTransferQueue) -> None:
+        start = time.monotonic()
+        with pytest.raises(TQUnavailableError):
+            await tq.partitions()
+        assert time.monotonic() - start < TIMEOUT_S + SLACK_S
+        consumer = AsyncEventConsumer(tq, "train", group="g", reader="r")
+        with pytest.raises(TQUnavailableError):
+            await consumer.create_group()
+        await tq.aclose()
+
+    with SilentListener() as listener:
+        asyncio.run(scenario(AsyncTransferQueue.from_config(silent_config(listener))))
+
+
 def test_the_reward_quota_store_fails_on_a_silent_redis_within_the_socket_timeout() -> None:
     from relayrl.reward.quotas import Demand, QuotaStoreUnavailable, RedisQuotas
 
@@ -59,6 +81,16 @@ def test_the_reward_quota_store_fails_on_a_silent_redis_within_the_socket_timeou
 
 
 def test_a_blocking_read_must_end_before_the_socket_timeout() -> None:
-    tq = TransferQueue.from_config(TQConfig(url="redis://127.0.0.1:1/0", partitions=[]))
+    config = TQConfig(url="redis://127.0.0.1:1/0", partitions=[])
+    tq = TransferQueue.from_config(config)
     with pytest.raises(InvalidInputError, match="socket_timeout_s"):
         tq.follow_events("train", "$", block_ms=30_000)  # refused before any I/O
+
+    async def scenario(tq: AsyncTransferQueue) -> None:
+        with pytest.raises(InvalidInputError, match="socket_timeout_s"):
+            await tq.follow_events("train", "$", block_ms=30_000)
+        consumer = AsyncEventConsumer(tq, "train", group="g", reader="r")
+        with pytest.raises(InvalidInputError, match="socket_timeout_s"):
+            await consumer.read(block_s=30.0)
+
+    asyncio.run(scenario(AsyncTransferQueue.from_config(config)))

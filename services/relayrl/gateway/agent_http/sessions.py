@@ -56,7 +56,7 @@ from relayrl.inference.client import (
     Generation,
     text_before_stop,
 )
-from relayrl.tq import TransferQueue
+from relayrl.tq import AsyncTransferQueue
 from relayrl.tq.errors import TQError
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class AgentSessions:
     def __init__(
         self,
         *,
-        tq: TransferQueue,
+        tq: AsyncTransferQueue,
         pool: ReplicaPool,
         tokenizer: PreTrainedTokenizerBase,
         config: AgentHttpConfig,

@@ -10,14 +10,13 @@ another loop."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from relayrl.gateway.agent_http.domain import SessionSpec
 from relayrl.gateway.agent_http.errors import AgentError, ErrorKind
 from relayrl.inference.client import SamplingOptions
 from relayrl.proto.common.v1 import common_pb2
-from relayrl.tq import TrajectoryPut, TransferQueue
+from relayrl.tq import AsyncTransferQueue, TrajectoryPut
 from relayrl.tq.errors import (
     ConflictError,
     InvalidInputError,
@@ -39,7 +38,7 @@ class AgentGroupStore:
 
     def __init__(
         self,
-        tq: TransferQueue,
+        tq: AsyncTransferQueue,
         *,
         claimer: str,
         lease_s: float,
@@ -53,18 +52,15 @@ class AgentGroupStore:
         self._policy_step = policy_step
 
     async def create_partition(self, partition: str) -> None:
-        await asyncio.to_thread(self._tq.create_partition, partition)
+        await self._tq.create_partition(partition)
 
     async def claimed_group(self, spec: SessionSpec) -> common_pb2.PromptGroup:
         """The claimed group of `spec`, once its claim is known to hold (it is renewed on the
         way) and its sample is still to be rolled out."""
-        return await asyncio.to_thread(self._claimed_group, spec)
-
-    def _claimed_group(self, spec: SessionSpec) -> common_pb2.PromptGroup:
         where = f"{spec.partition}/{spec.uid}"
         try:
-            (entry,) = self._tq.get_groups(spec.partition, [spec.uid])
-            self._tq.renew_leases(spec.partition, {spec.uid: spec.claim_id}, self.lease_s)
+            (entry,) = await self._tq.get_groups(spec.partition, [spec.uid])
+            await self._tq.renew_leases(spec.partition, {spec.uid: spec.claim_id}, self.lease_s)
         except UnknownKeyError as exc:
             raise AgentError(ErrorKind.NOT_FOUND, str(exc), param="uid") from None
         except InvalidInputError as exc:  # unknown partition
@@ -119,8 +115,7 @@ class AgentGroupStore:
         and it is never pending for another claimer); returns the claim id."""
         where = f"agent group {group.partition}/{group.uid}"
         try:
-            result = await asyncio.to_thread(
-                self._tq.put_and_claim_groups,
+            result = await self._tq.put_and_claim_groups(
                 group.partition,
                 [group],
                 claimer=self._claimer,
@@ -144,7 +139,7 @@ class AgentGroupStore:
         """Renew a claim's lease; False when the claim is lost. Other TransferQueue failures
         raise (TQError): the next renewal may work."""
         try:
-            await asyncio.to_thread(self._tq.renew_leases, partition, {uid: claim_id}, self.lease_s)
+            await self._tq.renew_leases(partition, {uid: claim_id}, self.lease_s)
         except StaleClaimError:
             return False
         return True
@@ -156,7 +151,7 @@ class AgentGroupStore:
         will be written; AgentError(UNAVAILABLE) when the TransferQueue may take it later."""
         put = TrajectoryPut(trajectory, claim_id, failed=failed)
         try:
-            await asyncio.to_thread(self._tq.put_trajectories, partition, [put])
+            await self._tq.put_trajectories(partition, [put])
         except (StaleClaimError, ConflictError, InvalidInputError) as exc:
             kind = ErrorKind.INVALID if isinstance(exc, InvalidInputError) else ErrorKind.CONFLICT
             raise TrajectoryRefused(kind, f"the trajectory could not be written: {exc}") from None
