@@ -6,7 +6,9 @@ event stream through one consumer group, acknowledges an event only after its sc
 stored, and `score_trajectories` keeps the first score of a key. A replica killed mid-batch
 leaves its events pending; they are re-read on restart (same reader name) or taken over by
 another replica after `reclaim_idle_s`, and re-scoring an already scored trajectory is a
-no-op. A failed score is stored with its status (INFRA_ERROR, TIMEOUT, ...), which marks the
+no-op. A Redis that stops answering mid-batch (a restart, a partition) is waited out in place,
+while the events are still this reader's: a link that heals in seconds costs seconds, not a
+reclaim. A failed score is stored with its status (INFRA_ERROR, TIMEOUT, ...), which marks the
 trajectory `is_infra` so the trainer keeps it out of group baselines: never a reward of 0.
 """
 
@@ -17,23 +19,32 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.reward.config import PIPELINE_TENANT, TQScorerConfig
 from relayrl.reward.convert import reported_reward, result_to_proto
 from relayrl.reward.items import InvalidItem, RewardItem, RewardResult
 from relayrl.reward.pipeline import InvalidRequest, RequestError, RewardPipeline, SubmitOptions
-from relayrl.tq import AsyncEventConsumer, AsyncTransferQueue
+from relayrl.tq import AsyncEventConsumer, AsyncTransferQueue, TQUnavailableError
 from relayrl.tq.errors import TQError, UnknownKeyError
 from relayrl.tq.model import Event, TrajectoryStatus
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 WANTS = {("trajectory", TrajectoryStatus.FINISHED.value)}
 READ_BLOCK_S = 1.0
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+
+
+def retry_delay_s(failures: int) -> float:
+    """The wait before the next try after `failures` failures in a row."""
+    return RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1]
 
 
 def default_reader_name() -> str:
@@ -122,7 +133,7 @@ class TQScorer:
 
     @staticmethod
     async def _backoff(what: str, exc: Exception, failures: int) -> None:
-        delay = RETRY_BACKOFF_S[min(failures, len(RETRY_BACKOFF_S)) - 1]
+        delay = retry_delay_s(failures)
         logger.warning("%s failed (%s); retrying in %.1f s", what, exc, delay)
         await asyncio.sleep(delay)
 
@@ -153,20 +164,32 @@ class TQScorer:
     async def _score_events(
         self, partition: str, consumer: AsyncEventConsumer, events: list[Event]
     ) -> None:
+        ours_until = time.monotonic() + self._config.reclaim_idle_s
+        keys = [e.key for e in events]
         try:
             redelivered = sum(1 for event in events if event.deliveries > 1)
             if redelivered:
                 self._pipeline.metrics.tq_redeliveries.labels(partition=partition).inc(redelivered)
-            items, refused = await self._items(partition, [e.key for e in events])
+            items, refused = await self._while_ours(
+                ours_until,
+                f"reading {partition} trajectories",
+                lambda: self._items(partition, keys),
+            )
             results = refused + await self._score(items)
             rewards = {r.item_id: result_to_proto(r) for r in results}
             if rewards:
-                await self._tq.score_trajectories(partition, rewards)
+                await self._while_ours(
+                    ours_until,
+                    f"storing {partition} scores",
+                    lambda: self._tq.score_trajectories(partition, rewards),
+                )
                 for result in results:
                     self._pipeline.metrics.tq_scored.labels(
                         partition=partition, status=result.status.name
                     ).inc()
-            await consumer.ack(events)
+            await self._while_ours(
+                ours_until, f"acknowledging {partition} events", lambda: consumer.ack(events)
+            )
         except (TQError, RequestError) as exc:
             # Not acknowledged: the events stay pending and are delivered again.
             logger.warning(
@@ -179,6 +202,22 @@ class TQScorer:
             self._inflight -= len(events)
             async with self._room:
                 self._room.notify_all()
+
+    async def _while_ours(
+        self, ours_until: float, what: str, call: Callable[[], Awaitable[T]]
+    ) -> T:
+        """`call`, again after each lost connection to Redis until `ours_until` (read time +
+        reclaim_idle_s: past it another replica may have taken the events); every step it
+        retries is idempotent (reads, the first score of a key kept, acks)."""
+        failures = 0
+        while True:
+            try:
+                return await call()
+            except TQUnavailableError as exc:
+                failures += 1
+                if self._closing or time.monotonic() + retry_delay_s(failures) > ours_until:
+                    raise
+                await self._backoff(what, exc, failures)
 
     async def _items(
         self, partition: str, keys: Sequence[str]

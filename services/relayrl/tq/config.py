@@ -83,6 +83,14 @@ class TQConfig(StrictModel):
     connect_timeout_s: float = Field(
         5.0, gt=0, le=600, description="Longest wait for a connection to Redis to open."
     )
+    max_connections: int = Field(
+        64,
+        ge=2,
+        le=10_000,
+        description="Connections an asyncio client (the gateway, the reward-service) opens to "
+        "Redis at most; a command waits for a free one up to socket_timeout_s. Each blocking "
+        "read holds one for its block, so there are always at least two.",
+    )
     health_check_interval_s: float = Field(
         30.0,
         ge=0,

@@ -563,8 +563,17 @@ class AsyncTransferQueue(QueueOperations):
                 "AsyncTransferQueue.from_config does no I/O and creates no partitions: pass "
                 "partitions=[] and await create_partition for each"
             )
-        no_retries = redis.asyncio.retry.Retry(NoBackoff(), 0)
-        client = aioredis.Redis.from_url(config.url, **redis_options(config), retry=no_retries)
+        # Bounded: each task of the service takes a connection per command, and a gateway
+        # with thousands of rollouts in flight would otherwise open thousands.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.url,
+            **redis_options(config),
+            retry=redis.asyncio.retry.Retry(NoBackoff(), 0),
+            max_connections=config.max_connections,
+            timeout=config.socket_timeout_s,
+        )
+        client = aioredis.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True  # aclose() closes its connections too
         return cls._from_config(config, client)
 
     @property

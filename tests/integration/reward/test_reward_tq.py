@@ -203,3 +203,39 @@ def test_the_service_starts_before_redis_and_scores_once_it_is_up(tmp_path: Path
     finally:
         service.kill()
         redis_server.kill()
+
+
+def test_a_redis_restart_mid_batch_is_waited_out_in_place_not_by_a_reclaim(
+    tmp_path: Path,
+) -> None:
+    """Redis goes away while a batch is being scored and comes back a few seconds later: the
+    reader stores the scores and acknowledges them on the new connection as soon as it
+    answers, instead of leaving them pending for a reclaim (reclaim_idle_s: a minute here)."""
+    redis_server = RedisServer(tmp_path / "redis")
+    redis_server.start()
+    config = reward_config(redis_server.url, 0)
+    config["tq_scorer"]["reclaim_idle_s"] = 60.0
+    service = RewardProcess(tmp_path / "r", config).start()
+    tq = TransferQueue(redis_server.client())
+    try:
+        tq.create_partition(P)
+        uids = ["g0", "g1"]
+        tq.put_groups(P, [group(uid, data_source="slow", sleep_s="2.0") for uid in uids])
+        write_rollouts(tq, uids, pause_s=0)
+
+        def being_scored() -> int:
+            return sum(len(g.pending) for g in tq.consumer_groups(P).values())
+
+        wait_until(lambda: being_scored() == len(uids) * NUM_SAMPLES, 30, "the batch read")
+        redis_server.stop()  # a clean stop: its AOF keeps every write
+        time.sleep(3.0)  # the scores are ready meanwhile and cannot be stored
+        redis_server.start()
+        total = len(uids) * NUM_SAMPLES
+        wait_until(lambda: len(scored_transitions(tq)) == total, 30, "every score stored")
+        wait_until(lambda: being_scored() == 0, 30, "every event acknowledged")
+        assert set(scored_transitions(tq).values()) == {1}
+        assert "will be redelivered" not in service.log_path.read_text()
+    finally:
+        tq.close()
+        service.kill()
+        redis_server.kill()

@@ -184,6 +184,26 @@ def test_from_config_builds_the_client_the_sync_one_builds() -> None:
         AsyncTransferQueue.from_config(TQConfig(partitions=["train"]))
 
 
+def test_the_async_client_opens_at_most_max_connections(redis_server: RedisServer) -> None:
+    """A blocking read holds its connection for its block: with a cap of two and two reads
+    blocking, a third command waits for one of them to end instead of opening a third."""
+    config = TQConfig(url=redis_server.url, partitions=[], max_connections=2, socket_timeout_s=3)
+
+    async def main() -> float:
+        async with AsyncTransferQueue.from_config(config) as atq:
+            await atq.create_partition(P)
+            reads = [atq.wait_for_pending(P, "$", block_ms=1500) for _ in "ab"]
+            blocking = [asyncio.create_task(read) for read in reads]
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            assert await atq.partitions() == [P]
+            waited = time.monotonic() - started
+            await asyncio.gather(*blocking)
+            return waited
+
+    assert asyncio.run(main()) > 0.8  # the reads' block, less the 0.3 s before it asked
+
+
 def test_the_async_consumer_reads_acks_reclaims_and_dead_letters(
     tq: TransferQueue, redis_server: RedisServer
 ) -> None:
