@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import codec
 from relayrl.tq.base import QueueBase
 from relayrl.tq.errors import InvalidInputError, UnknownKeyError
 from relayrl.tq.model import Counts, GroupStatus, GroupWithTrajectories, Lease, TrajectoryStatus
-from relayrl.tq.steps import Command, Pipeline, Script, Steps, command, operation
+from relayrl.tq.steps import Pipeline, Script, Steps, command, operation
+
+READ_CHUNK = 256
+"""Trajectories read by one read_trajectories script."""
 
 
 class QueueReads(QueueBase):
@@ -39,22 +43,25 @@ class QueueReads(QueueBase):
                 for n, g in enumerate(groups)
                 for i in range(g.num_samples)
             ]
-            replies = yield Pipeline(self._trajectory_reads(prefix, [key for _, key in wanted]))
-            for (n, key), fields, data in zip(wanted, replies[::2], replies[1::2], strict=True):
+            read = yield from self._read_trajectories(partition, [key for _, key in wanted])
+            for (n, key), (fields, data) in zip(wanted, read, strict=True):
                 if fields:
                     trajectories[n].append(codec.decode_trajectory(partition, key, fields, data))
         return [GroupWithTrajectories(g, t) for g, t in zip(groups, trajectories, strict=True)]
 
-    @staticmethod
-    def _trajectory_reads(prefix: str, keys: Sequence[str]) -> list[Command]:
-        """Each trajectory's tags, then its bytes."""
-        commands = []
-        for key in keys:
-            commands += [
-                command("hgetall", f"{prefix}t:{key}"),
-                command("get", f"{prefix}td:{key}"),
-            ]
-        return commands
+    def _read_trajectories(
+        self, partition: str, keys: Sequence[str]
+    ) -> Steps[list[tuple[dict[bytes, bytes], bytes | None]]]:
+        """Each trajectory's tags (empty: no such trajectory) and bytes, READ_CHUNK at a time
+        by one script each: one command where a pipeline sends two per trajectory, and never
+        one long script that holds Redis up (an audit reads every trajectory of a run)."""
+        prefix = self._key_prefix(partition)
+        out: list[tuple[dict[bytes, bytes], bytes | None]] = []
+        for start in range(0, len(keys), READ_CHUNK):
+            chunk = keys[start : start + READ_CHUNK]
+            names = [name for key in chunk for name in (f"{prefix}t:{key}", f"{prefix}td:{key}")]
+            out += _tags_and_bytes((yield Script(partition, "read_trajectories", names, [])))
+        return out
 
     @operation
     def groups_exist(self, partition: str, uids: Sequence[str]) -> Steps[list[bool]]:
@@ -99,9 +106,9 @@ class QueueReads(QueueBase):
         codec.check_partition_name(partition)
         for key in keys:
             codec.split_trajectory_key(key)
-        replies = yield Pipeline(self._trajectory_reads(self._key_prefix(partition), keys))
+        read = yield from self._read_trajectories(partition, keys)
         out = []
-        for key, fields, data in zip(keys, replies[::2], replies[1::2], strict=True):
+        for key, (fields, data) in zip(keys, read, strict=True):
             if not fields:
                 raise UnknownKeyError(partition, key)
             out.append(codec.decode_trajectory(partition, key, fields, data))
@@ -172,3 +179,10 @@ class QueueReads(QueueBase):
             GroupStatus(s): [u.decode() for u in uids]
             for s, uids in zip(statuses, replies, strict=True)
         }
+
+
+def _tags_and_bytes(reply: list[Any]) -> Iterator[tuple[dict[bytes, bytes], bytes | None]]:
+    """The read_trajectories script's reply: each trajectory's tags (as HGETALL gives them to
+    a client: a dict) and its bytes."""
+    for flat, data in zip(reply[::2], reply[1::2], strict=True):
+        yield dict(zip(flat[::2], flat[1::2], strict=True)), data

@@ -34,7 +34,7 @@ PARTITION_SCRIPTS = (
     "reset_consumption",
 )
 # Scripts with their own calling convention (no prelude).
-STANDALONE_SCRIPTS = ("reclaim", "redrive", "leases")
+STANDALONE_SCRIPTS = ("reclaim", "redrive", "leases", "read_trajectories")
 
 
 def _source(name: str) -> str:

@@ -20,6 +20,8 @@ from relayrl.tq import (
     TrajectoryPut,
     TransferQueue,
 )
+from relayrl.tq.errors import UnknownKeyError
+from relayrl.tq.reads import READ_CHUNK
 
 P = "train"
 OK = common_pb2.REWARD_STATUS_OK
@@ -448,3 +450,20 @@ def test_round_trip_keeps_every_field(tq: TransferQueue) -> None:
     stored.ClearField("tags")
     stored.partition = ""
     assert stored == original
+
+
+def test_reads_of_more_trajectories_than_one_script_reads_keep_their_order(
+    tq: TransferQueue,
+) -> None:
+    """Trajectories are read READ_CHUNK to a script: a read across chunks returns each in the
+    order asked, a group's in index order, and a key missing from a later chunk is named."""
+    n = READ_CHUNK + 40
+    tq.put_groups(P, [group("big", n=n)])
+    (claim,) = tq.claim_groups(P, max_groups=1, claimer="gw", lease_s=60).claimed
+    tq.put_trajectories(P, [TrajectoryPut(trajectory("big", i), claim.claim_id) for i in range(n)])
+    keys = [f"big_{i}" for i in reversed(range(n))]
+    assert [t.index for t in tq.get_trajectories(P, keys)] == list(reversed(range(n)))
+    (read,) = tq.get_groups(P, ["big"])
+    assert [t.index for t in read.trajectories] == list(range(n))
+    with pytest.raises(UnknownKeyError, match=f"big_{n}"):
+        tq.get_trajectories(P, [*keys, f"big_{n}"])
