@@ -130,9 +130,11 @@ class UpRun:
         path = self.run_dir / "stack.json"
         return json.loads(path.read_text())["children"] if path.exists() else {}
 
+    def step_records(self) -> list[StepRecord]:
+        return read_records(self.run_dir / "trainer" / "steps.jsonl", StepRecord)
+
     def steps_logged(self) -> int:
-        records = read_records(self.run_dir / "trainer" / "steps.jsonl", StepRecord)
-        return len({r.step for r in records})
+        return len({r.step for r in self.step_records()})
 
     def commits_after(self, t: float) -> list[float]:
         records = read_records(self.run_dir / "weightsync" / "transfers.jsonl", TransferRecord)

@@ -49,7 +49,6 @@ from typing import Any
 
 from chaos_bench import ChaosError, UpRun, audit_into, audit_totals, kill_group
 
-from relayrl.core.records import StepRecord, read_records
 from relayrl_testkit.netfault import KINDS, Fault, Faults, Kind, network_of_run
 
 SHORT_FAULT_S = 5.0
@@ -271,10 +270,9 @@ def room_for(run: UpRun, planned: Planned) -> bool:
     heal. A fault under which training goes on uses steps at the rate the run trains at (half
     again the latest rate, at least a step a second); a run that ends inside a fault measures
     nothing, so such a fault waits for the next run."""
-    records = read_records(run.run_dir / "trainer" / "steps.jsonl", StepRecord)
-    left = run.steps - len({r.step for r in records}) - STEP_MARGIN
+    left = run.steps - run.steps_logged() - STEP_MARGIN
     if planned.kind in GOES_ON or LINKS[planned.link].a == "up":
-        latest = records[-20:]
+        latest = run.step_records()[-20:]
         seconds = latest[-1].time - latest[0].time if len(latest) > 1 else 0.0
         rate = (len(latest) - 1) / seconds if seconds > 0 else 1.0
         return left >= math.ceil(1.5 * max(rate, 1.0) * planned.for_s)
