@@ -103,7 +103,7 @@ def run(mode: str, eta: int, args: argparse.Namespace, runs_dir: Path) -> Result
     records = run.steps
     state = run.state
     n = run.config["train"]["samples_per_prompt"]
-    started = state["training_started"]
+    started = state.training_started
     ended = {r.step + 1: r.time - started for r in records}  # steps done -> seconds
     curve = [
         (ended[e.step], e.accuracy)

@@ -160,7 +160,7 @@ def main() -> None:
         "learn-real", config(args), runs_dir, bench="learn-real",
         extra_args=["--model", str(model), "--data", str(train), "--heldout", str(heldout)],
     )  # fmt: skip
-    print(f"  {run.state['training']}")
+    print(f"  {run.state.training.describe()}")
     points = curve(run)
     print(f"{'eval':<14}{'step':>5}{'version':>8}{'strict':>9}{'lenient':>9}")
     for kind, step, version, strict, lenient in points:

@@ -50,6 +50,7 @@ from pathlib import Path
 from up_runs import UpRun, default_placement, run_up
 
 from relayrl.core.records import StepRecord
+from relayrl.up.defaults import Training
 
 THROUGHPUT = re.compile(r"Avg generation throughput: ([\d.]+) tokens/s, Running: (\d+) reqs")
 VM_HWM = re.compile(r"VmHWM:\s+(\d+) kB")
@@ -185,7 +186,7 @@ def micro_batches(lengths: list[int], rows: int, tokens: int | None) -> list[lis
 
 
 def torch_reference(
-    model: Path, steps: list[StepRecord], training: dict, repeats: int
+    model: Path, steps: list[StepRecord], training: Training, repeats: int
 ) -> list[dict]:
     """Seconds of the three phases of each step over its own rows, bare PyTorch, fp32, on this
     process's CPUs (the trainer's)."""
@@ -195,9 +196,9 @@ def torch_reference(
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     hf.train()
-    optimizer = torch.optim.AdamW(hf.parameters(), lr=training["lr"])
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=training.lr)
     gen = torch.Generator().manual_seed(0)
-    temperature = training["temperature"]
+    temperature = training.temperature
 
     def logp(ids: torch.Tensor) -> torch.Tensor:
         logits = hf(ids).logits[:, :-1].float() / temperature
@@ -207,7 +208,7 @@ def torch_reference(
         parts = [
             torch.randint(3, hf.config.vocab_size, (len(mb), max(mb)), generator=gen)
             for mb in micro_batches(
-                step.row_tokens, training["micro_batch_size"], training["micro_batch_tokens"]
+                step.row_tokens, training.micro_batch_size, training.micro_batch_tokens
             )
         ]
         clock = time.perf_counter()
@@ -268,13 +269,13 @@ def main() -> None:
         run, peak_gb = run_bench(model, args, workdir, placement)
         steps = run.steps[1:]  # step 1 pays the warm-ups
         state, engine = run.state, run.config["engine"]
-        training = state["training"]
+        training = state.training
         engine_rate, intervals, running = engine_tok_s(run.run_dir)
         prompts = rendered_prompts(run.run_dir, model)
         settings = {
             "cpus": placement["engine"], "max_model_len": engine["max_model_len"],
-            "kv_cache_gib": engine["kv_cache_gib"], "temperature": training["temperature"],
-            "max_tokens": training["max_tokens"],
+            "kv_cache_gib": engine["kv_cache_gib"], "temperature": training.temperature,
+            "max_tokens": training.max_tokens,
         }  # fmt: skip
         out, stop = workdir / "vllm-reference.jsonl", workdir / "stop"
         print(f"references: vLLM on CPU {placement['engine']} beside bare PyTorch on CPU "
@@ -308,7 +309,7 @@ def main() -> None:
     mean_len = statistics.fmean(n for s in steps for n in s["row_tokens"])
 
     print()
-    print(f"SmolLM2-135M-Instruct on word problems, {state['mode']}, steps "
+    print(f"SmolLM2-135M-Instruct on word problems, {state.mode}, steps "
           f"2..{len(steps) + 1}: {statistics.fmean(len(s['row_tokens']) for s in steps):.1f} "
           f"rows of {mean_len:.0f} tokens (prompt + response) per step")  # fmt: skip
     print(f"{'phase':<28}{'relayrl s':>10}{'torch s':>10}{'ratio':>8}")

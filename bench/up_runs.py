@@ -3,7 +3,6 @@ generated config, find the run folder, and read what the run wrote."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import yaml
 
 from relayrl.core.records import EvalRecord, StepRecord, read_records
 from relayrl.up.config import split_cpus
+from relayrl.up.run_state import RunState
 
 
 @dataclass
@@ -27,8 +27,8 @@ class UpRun:
     wall_s: float
 
     @property
-    def state(self) -> dict[str, Any]:
-        return json.loads((self.run_dir / "run.json").read_text())
+    def state(self) -> RunState:
+        return RunState.read(self.run_dir)
 
     @property
     def config(self) -> dict[str, Any]:

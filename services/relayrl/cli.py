@@ -110,15 +110,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise ValueError(f"hosts.isolate {missing}")
     workload = _checked_workload(config)  # every usage error before anything starts
     from relayrl.up.run import Run, new_run_dir
+    from relayrl.up.run_state import ENDED, RUN_FILE, RunState
 
     if args.resume is not None:
         run_dir = args.resume.absolute()
-        if (run_dir / "run.json").exists():
-            import json
-
-            state = json.loads((run_dir / "run.json").read_text()).get("state")
-            if state in ("training", "starting", "preparing") and _run_alive(run_dir):
-                raise ValueError(f"{run_dir} is running now (see `relayrl status {run_dir}`)")
+        if not RunState.exists(run_dir):
+            raise ValueError(f"{run_dir} holds no relayrl run (no {RUN_FILE}) to resume")
+        state = RunState.read(run_dir).state
+        if state not in ENDED and _run_alive(run_dir):
+            raise ValueError(f"{run_dir} is running now (see `relayrl status {run_dir}`)")
     else:
         run_dir = new_run_dir(config.runs_dir)
     return Run(config, run_dir, resume=args.resume is not None, workload=workload).main()
@@ -194,10 +194,11 @@ def _run_alive(run_dir: Path) -> bool:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from relayrl.up.run_state import RunState
     from relayrl.up.status import latest_run, status_lines
 
     run_dir = args.run_dir or latest_run(args.runs_dir)
-    if run_dir is None or not (run_dir / "run.json").exists():
+    if run_dir is None or not RunState.exists(run_dir):
         where = args.run_dir or args.runs_dir
         raise ValueError(f"no relayrl run in {where} (start one with `relayrl up`)")
     for line in status_lines(run_dir):

@@ -5,8 +5,8 @@ Inputs, all in the run directory; any of them may be missing or empty (a plot wi
 says so). The JSONL ones are read by relayrl.core.records.read_records: a torn last line (a
 writer killed in the middle of it) is left out, and an input with any other line that is not a
 record is left out whole and named in the report with that line (`eval.jsonl:3: ...`):
-    run.json                    {"run_id", "task", "mode", "eta", "steps", "warm_started",
-                                 "started", "finished", ...}; other keys are shown as they are
+    run.json                    relayrl.up.run_state.RunState, the run's own record; a
+                                run.json that is not one is named as unreadable, with why
     trainer/steps.jsonl         StepRecord, one per trainer step; a step logged twice (re-run
                                 after a resume) counts with its last record
     eval.jsonl                  EvalRecord, one per held-out evaluation
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import math
 import statistics
 from collections import Counter
@@ -45,12 +44,12 @@ from relayrl.core.records import (
     read_records,
 )
 from relayrl.trainer.progress import ProgressLog, ProgressRecord
+from relayrl.up.run_state import RUN_FILE, RunState, RunStateError
 from relayrl.up.timing import REWARD_TIMING_FILE, RewardTiming
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-RUN_FILE = "run.json"
 STEPS_FILE = "trainer/steps.jsonl"
 EVAL_FILE = "eval.jsonl"
 TRANSFERS_FILE = "weightsync/transfers.jsonl"
@@ -71,18 +70,6 @@ DPI = 100
 R = TypeVar("R", bound=Record)
 
 
-def _number(value: object) -> float | None:
-    """A finite float of run.json (an untyped dict), or None (missing, null, NaN, a string, a
-    bool)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-def _integer(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -94,7 +81,7 @@ def _median(values: Sequence[float]) -> float | None:
 class RunInputs:
     """Everything the report reads."""
 
-    run: dict[str, Any] = field(default_factory=dict)
+    run: RunState | None = None
     steps: list[StepRecord] = field(default_factory=list)  # by step, one per step
     evals: list[EvalRecord] = field(default_factory=list)  # with an accuracy, by (step, time)
     failed_evals: list[EvalRecord] = field(default_factory=list)  # by (step, time)
@@ -121,19 +108,12 @@ def _read(inputs: RunInputs, run_dir: Path, name: str, model: type[R]) -> list[R
 def load_inputs(run_dir: Path) -> RunInputs:
     """Reads the run directory's inputs; never raises for missing or corrupt ones."""
     inputs = RunInputs()
-    run_path = run_dir / RUN_FILE
     try:
-        run = json.loads(run_path.read_text(encoding="utf-8"))
+        inputs.run = RunState.read(run_dir)
     except FileNotFoundError:
-        run = {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        run = f"{RUN_FILE}: {exc}"
-    if not isinstance(run, dict):
-        inputs.unreadable[RUN_FILE] = run if isinstance(run, str) else f"{RUN_FILE}: not an object"
-        run = {}
-    if not run:
         inputs.missing.append(RUN_FILE)
-    inputs.run = run
+    except (OSError, RunStateError) as exc:
+        inputs.unreadable[RUN_FILE] = str(exc).removeprefix(f"{run_dir}/")
 
     steps = _read(inputs, run_dir, STEPS_FILE, StepRecord)
     inputs.steps = sorted({r.step: r for r in steps}.values(), key=lambda r: r.step)
@@ -301,17 +281,9 @@ def _tally(steps: list[StepRecord], progress: list[ProgressRecord]) -> _Tally:
     return tally
 
 
-def _duration_s(run: dict[str, Any]) -> float | None:
-    started, finished = _number(run.get("started")), _number(run.get("finished"))
-    if started is None or finished is None or finished < started:
-        return None
-    return finished - started
-
-
-def start_label(run: dict[str, Any]) -> str:
-    """Version 0 of a run: its warm start, or the model it was given (run.json
-    `warm_started`)."""
-    return "warm start" if run.get("warm_started") is True else "start"
+def start_label(run: RunState | None) -> str:
+    """Version 0 of a run: its warm start, or the model it was given."""
+    return "warm start" if run is not None and run.warm_started else "start"
 
 
 def key_numbers(inputs: RunInputs) -> KeyNumbers:
@@ -328,7 +300,7 @@ def key_numbers(inputs: RunInputs) -> KeyNumbers:
     timings = inputs.timings
     return KeyNumbers(
         num_steps=len(steps),
-        duration_s=_duration_s(inputs.run),
+        duration_s=inputs.run.duration_s if inputs.run else None,
         start_label=start_label(inputs.run),
         **_evals(inputs.evals),
         num_reward_steps_averaged=k,
@@ -380,10 +352,7 @@ class Report:
     plots: dict[str, Path]  # plot name -> PNG, in page order
     no_data_plots: list[str]  # plots drawn without any data
     run_id: str
-    task: str | None
-    mode: str | None
-    eta: float | None
-    configured_steps: int | None
+    run: RunState | None  # None: run.json missing or unreadable
     numbers: KeyNumbers
     missing_inputs: list[str]  # inputs absent or empty
     unreadable: dict[str, str]  # input -> the line that is not a record (`file:line: why`)
@@ -396,22 +365,18 @@ def write_report(run_dir: Path) -> Report:
     inputs = load_inputs(run_dir)
     plots, no_data = draw_plots(inputs, run_dir / PLOT_DIR)
     run = inputs.run
-    task, mode = run.get("task"), run.get("mode")
     report = Report(
         run_dir=run_dir,
         html_path=run_dir / HTML_FILE,
         plots=plots,
         no_data_plots=no_data,
-        run_id=str(run.get("run_id") or run_dir.name),
-        task=task if isinstance(task, str) else None,
-        mode=mode if isinstance(mode, str) else None,
-        eta=_number(run.get("eta")),
-        configured_steps=_integer(run.get("steps")),
+        run_id=run.run_id if run else run_dir.name,
+        run=run,
         numbers=key_numbers(inputs),
         missing_inputs=inputs.missing,
         unreadable=inputs.unreadable,
     )
-    report.html_path.write_text(render_html(report, run), encoding="utf-8")
+    report.html_path.write_text(render_html(report), encoding="utf-8")
     return report
 
 
@@ -432,10 +397,6 @@ def _duration(seconds: float) -> str:
 
 def _rate(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def _eta(eta: float) -> str:
-    return f"{eta:g}"
 
 
 def _percent(fraction: float) -> str:
@@ -557,16 +518,14 @@ def _failed_clause(n: KeyNumbers) -> str:
 def summary_text(report: Report) -> str:
     """One paragraph: what the run trained, how long, and its key numbers. A number the inputs
     lack is left out of the sentence."""
-    n = report.numbers
-    text = f"Run {report.run_id} trained" + (f" {report.task}" if report.task else "")
+    n, run = report.numbers, report.run
+    text = f"Run {report.run_id} trained" + (f" {run.task}" if run else "")
     steps = f"{n.num_steps}"
-    if report.configured_steps is not None and report.configured_steps != n.num_steps:
-        steps += f" of {report.configured_steps}"
+    if run and run.steps != n.num_steps:
+        steps += f" of {run.steps}"
     text += f" for {steps} step{'s' * (steps != '1')}"
-    if report.mode:
-        text += f" in {report.mode}"
-        if report.eta is not None:
-            text += f" (η={_eta(report.eta)})"
+    if run:
+        text += f" in {run.mode} (η={run.eta})"
     if n.duration_s is not None:
         text += f" in {_duration(n.duration_s)}"
     clauses = _clauses(n, report.unreadable)
@@ -931,25 +890,19 @@ pre { background: #f7f7f7; padding: 0.5rem; overflow-x: auto; font-size: 0.8rem;
 """
 
 
-def _header(report: Report, run: dict[str, Any]) -> str:
+def _header(report: Report) -> str:
     e = html.escape
-    n = report.numbers
+    n, run = report.numbers, report.run
     items = []
-    for label, value in (("task", report.task), ("mode", report.mode)):
-        if value:
-            items.append(f"{label} <b>{e(value)}</b>")
-    if report.eta is not None:
-        items.append(f"η <b>{_eta(report.eta)}</b>")
-    steps = f"{n.num_steps}"
-    if report.configured_steps is not None:
-        steps += f" of {report.configured_steps}"
-    items.append(f"steps <b>{steps}</b>")
+    if run:
+        items += [f"task <b>{e(run.task)}</b>", f"mode <b>{e(run.mode)}</b>", f"η <b>{run.eta}</b>"]
+    items.append(f"steps <b>{n.num_steps}" + (f" of {run.steps}" if run else "") + "</b>")
     if n.duration_s is not None:
         items.append(f"duration <b>{_duration(n.duration_s)}</b>")
-    elif _number(run.get("started")) is not None:
+    elif run:
         items.append("duration <b>unfinished</b>")
-    if (started := _number(run.get("started"))) is not None:
-        when = datetime.fromtimestamp(started, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    if run:
+        when = datetime.fromtimestamp(run.started, UTC).strftime("%Y-%m-%d %H:%M UTC")
         items.append(f"started <b>{when}</b>")
     return (
         f"<h1>relayrl run <code>{e(report.run_id)}</code></h1>\n"
@@ -973,7 +926,7 @@ def _notices(report: Report) -> str:
     return '<div class="notice">' + "<br>\n".join(lines) + "</div>\n"
 
 
-def render_html(report: Report, run: dict[str, Any]) -> str:
+def render_html(report: Report) -> str:
     """The self-contained page: inline CSS, images referenced as report/<name>.png."""
     e = html.escape
     rows = []
@@ -988,11 +941,11 @@ def render_html(report: Report, run: dict[str, Any]) -> str:
             f'<figure id="{e(name)}"><img src="{e(src)}" alt="{e(caption)}">'
             f"<figcaption>{e(caption)}</figcaption></figure>"
         )
-    run_json = json.dumps(run, indent=2, sort_keys=True, default=str)
+    run_json = report.run.model_dump_json(indent=2) if report.run else "(none)"
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>relayrl run {e(report.run_id)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
-        + _header(report, run)
+        + _header(report)
         + _notices(report)
         + f'<p class="summary">{e(summary_text(report))}</p>\n'
         + '<h2>Key numbers</h2>\n<table class="numbers">\n'

@@ -16,7 +16,6 @@ runs/<id>` continues from there (a second Ctrl-C stops at once, without the chec
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -28,7 +27,6 @@ from typing import Any
 
 import yaml
 
-from relayrl.core.atomic import atomic_write_text
 from relayrl.core.records import EvalRecord, StepRecord, append_record, read_records
 from relayrl.trainer.progress import EXIT_NO_PROGRESS as TRAINER_NO_PROGRESS
 from relayrl.up.config import UpConfig
@@ -36,6 +34,7 @@ from relayrl.up.evaluate import Evaluator
 from relayrl.up.hosts import HostsError
 from relayrl.up.prepare import RunFiles, base_model, max_tokens, warm_start, write_task_files
 from relayrl.up.progress import Progress
+from relayrl.up.run_state import RunState
 from relayrl.up.secrets import operator_identity
 from relayrl.up.supervisor import ORDER, ChildStartError, Event, Supervisor
 from relayrl.up.workload import Workload, load_workload
@@ -110,16 +109,15 @@ class Run:
         self.evaluator: Evaluator | None = None
         self._eval_thread: threading.Thread | None = None
         self.eval_log = run_dir / "eval.jsonl"
+        self.state: RunState | None = None  # run.json, from the start of `main`
 
     # -- run.json ---------------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        path = self.run_dir / "run.json"
-        return json.loads(path.read_text()) if path.exists() else {}
-
     def _update_state(self, **changes: Any) -> None:
-        state = self._state() | changes
-        atomic_write_text(self.run_dir / "run.json", json.dumps(state, indent=2, default=str))
+        if self.state is None:  # stopped before run.json was written: nothing to update
+            return
+        self.state = self.state.but(**changes)
+        self.state.write(self.run_dir)
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -150,15 +148,14 @@ class Run:
         started = time.time()
         if self.resume:
             self.say(f"relayrl up: resuming {self.run_dir}")
-            self._update_state(
-                state="starting", resumed=[*self._state().get("resumed", []), started]
-            )
+            self.state = RunState.read(self.run_dir)
+            self._update_state(state="starting", resumed=[*self.state.resumed, started])
         else:
             self.say(f"relayrl up: run {self.run_dir.name} in {self.run_dir}")
             (self.run_dir / "config.yaml").write_text(
                 yaml.safe_dump(c.model_dump(mode="json"), sort_keys=False)
             )
-            self._update_state(
+            self.state = RunState(
                 run_id=self.run_dir.name,
                 task=c.task_label,
                 mode=c.train.mode,
@@ -166,11 +163,11 @@ class Run:
                 steps=c.train.steps,
                 warm_started=c.warm_start_enabled,
                 model_kind=c.model_kind,
-                training=c.training.model_dump(mode="json"),
+                training=c.training,
                 started=started,
-                finished=None,
                 state="preparing",
             )
+            self.state.write(self.run_dir)
         self.say(c.training.describe())
         workload = self.workload or load_workload(c)
         files = RunFiles.in_dir(self.run_dir / "data")

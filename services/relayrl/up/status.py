@@ -19,12 +19,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from relayrl.up.run_state import ENDED, RUN_FILE, RunState
+
 HEALTH_TIMEOUT_S = 2.0
 
 
 def latest_run(runs_dir: Path) -> Path | None:
-    runs = [p for p in runs_dir.glob("r-*") if (p / "run.json").exists()]
-    return max(runs, key=lambda p: (p / "run.json").stat().st_mtime, default=None)
+    runs = [p for p in runs_dir.glob("r-*") if RunState.exists(p)]
+    return max(runs, key=lambda p: (p / RUN_FILE).stat().st_mtime, default=None)
 
 
 def _health(target: str) -> str:
@@ -71,15 +73,14 @@ def status_lines(run_dir: Path) -> list[str]:
     from relayrl.up.progress import replica_versions
     from relayrl.up.secrets import with_redis_password
 
-    run = json.loads((run_dir / "run.json").read_text())
+    run = RunState.read(run_dir)
     lines = [
-        f"run {run.get('run_id', run_dir.name)} ({run.get('task')}, {run.get('mode')}, "
-        f"eta {run.get('eta')}, {run.get('steps')} steps): {run.get('state')}"
-        + (f", started {_ago(run['started'])} ago" if run.get("started") else "")
+        f"run {run.run_id} ({run.task}, {run.mode}, eta {run.eta}, {run.steps} steps): "
+        f"{run.state}, started {_ago(run.started)} ago"
     ]
     stack_file = run_dir / "stack.json"
-    if not stack_file.exists() or run.get("state") in ("completed", "stopped", "failed"):
-        lines.append("stack: not running" + (f" ({run.get('state')})" if run.get("state") else ""))
+    if not stack_file.exists() or run.state in ENDED:
+        lines.append(f"stack: not running ({run.state})")
         lines += _eval_lines(run_dir)
         return lines
     stack = json.loads(stack_file.read_text())

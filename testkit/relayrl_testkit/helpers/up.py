@@ -26,6 +26,7 @@ from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
 from relayrl.tq.server import RedisServer
+from relayrl.up.run_state import RunState
 from relayrl_testkit import REPO
 
 NAMESPACE, PARTITION = "relayrl", "train"
@@ -449,7 +450,7 @@ def check_short_run(run_dir: Path, mode: str, steps: int) -> None:
     # the report and the state
     assert (run_dir / "report.html").stat().st_size > 1000
     assert len(list((run_dir / "report").glob("*.png"))) >= 6
-    assert json.loads((run_dir / "run.json").read_text())["state"] == "completed"
+    assert RunState.read(run_dir).state == "completed"
     # shutdown left nothing behind
     assert processes_of(run_dir) == []
     assert all(c["restarts"] == 0 for c in stack_state(run_dir)["children"].values())

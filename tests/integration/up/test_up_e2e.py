@@ -8,7 +8,6 @@ running. The default mode's run is test_up_hosts.py's, checked the same way."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from relayrl.up.audit import audit_run
+from relayrl.up.run_state import RunState
 from relayrl_testkit.helpers.trust import ENGINE_PATHS, knock_on_run, service_descriptors
 from relayrl_testkit.helpers.up import (
     SHORT_RUN,
@@ -117,7 +117,7 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_run(runs_dir: Path) -> 
     assert "held-out: " in lines, lines
     assert "resume with: relayrl up --resume" in up.output()
     assert processes_of(run_dir) == []
-    assert json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
+    assert RunState.read(run_dir).state == "stopped"
     stopped_at = {r.step for r in steps_logged(run_dir)}
     assert (run_dir / "redis" / "appendonlydir").is_dir()
     # the clean stop gave the gateway's claims back: the resume waits for no lease
@@ -162,4 +162,4 @@ def test_a_child_that_fails_to_start_ends_the_run_with_one_line(runs_dir: Path) 
     assert "no-such-tokens.yaml" in line, line
     assert line.endswith(f"see {run_dir / 'logs' / 'reward.log'}"), line
     assert processes_of(run_dir) == []
-    assert json.loads((run_dir / "run.json").read_text())["state"] == "failed"
+    assert RunState.read(run_dir).state == "failed"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.up.run_state import RunState
 from relayrl_testkit.helpers.up import UpProcess, processes_of
 
 MIN_GAIN_POINTS = 15.0
@@ -33,6 +34,6 @@ def test_the_default_run_gains_15_points_of_heldout_accuracy(tmp_path: Path) -> 
     print(f"held-out accuracy {warm['accuracy']:.1%} -> {final['accuracy']:.1%} ({gain:+.1f})")
     assert gain >= MIN_GAIN_POINTS, up.output()
     assert final["accuracy"] >= MIN_FINAL_ACCURACY, up.output()
-    state = json.loads((run_dir / "run.json").read_text())
-    assert state["finished"] - state["started"] <= BUDGET_S, state
+    state = RunState.read(run_dir)
+    assert state.duration_s is not None and state.duration_s <= BUDGET_S, state
     assert processes_of(run_dir) == []

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from relayrl.up.run_state import RunState
 from relayrl_testkit.helpers import cli
 from relayrl_testkit.helpers.real_model import smollm2_dir
 from relayrl_testkit.helpers.up import (
@@ -129,8 +130,8 @@ def test_a_real_pretrained_model_trains_on_a_verl_dataset(
     assert final["accuracy"] == 1.0  # judged by the same function: a positive score
     # the pretrained model's defaults, printed and recorded
     assert "training settings for a pretrained model: lr 5e-06, cosine to 5e-07" in output
-    training = json.loads((run_dir / "run.json").read_text())["training"]
-    assert training["temperature"] == 0.6 and training["max_tokens"] == 256
+    training = RunState.read(run_dir).training
+    assert training.temperature == 0.6 and training.max_tokens == 256
     trainer = yaml.safe_load((run_dir / "services/trainer/relayrl-trainer.yaml").read_text())
     assert trainer["optim"]["lr"] == 5e-6 and trainer["algorithm"]["temperature"] == 0.6
     assert f"model: {smollm2}" in output

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from relayrl.up.run_state import RunState
 from relayrl_testkit.helpers.up import (
     SHORT_RUN,
     UpProcess,
@@ -64,6 +65,6 @@ def test_an_agent_that_fails_every_rollout_ends_the_run_with_exit_3_and_the_caus
     summary = lines[-2] if lines[-1].startswith("resume with") else lines[-1]
     assert "rollouts failed as infrastructure (agent 'external' exited 1" in output, output
     assert "stopped: " in output and "no group rejected" not in summary
-    state = json.loads((run_dir / "run.json").read_text())
-    assert state["state"] == "no_progress" and "rollouts failed" in state["error"]
+    state = RunState.read(run_dir)
+    assert state.state == "no_progress" and "rollouts failed" in (state.error or "")
     assert processes_of(run_dir) == []

@@ -23,6 +23,8 @@ from relayrl.up.report import (
     summary_text,
     write_report,
 )
+from relayrl.up.defaults import resolve
+from relayrl.up.run_state import RunState
 from relayrl.up.timing import RewardTiming, write_reward_timing
 
 RUN_ID = "r-20261129-1234"
@@ -119,23 +121,27 @@ def timing(step: int) -> RewardTiming:
     )
 
 
+def run_state(run_id: str = RUN_ID, **changes: Any) -> RunState:
+    return RunState(
+        run_id=run_id,
+        task="arith",
+        mode="separate_async",
+        eta=1,
+        steps=NUM_STEPS,
+        warm_started=True,
+        model_kind="tiny",
+        training=resolve("tiny", {}, None, NUM_STEPS),
+        started=STARTED,
+        finished=STARTED + 672.0,  # 11.2 min
+        state="completed",
+    ).but(**changes)
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     directory = tmp_path / RUN_ID
     directory.mkdir()
-    run = {
-        "run_id": RUN_ID,
-        "task": "arith",
-        "mode": "separate_async",
-        "eta": 1,
-        "steps": NUM_STEPS,
-        "warm_started": True,
-        "started": STARTED,
-        "finished": STARTED + 672.0,  # 11.2 min
-        "state": "completed",
-        "resumed": [],
-    }
-    (directory / "run.json").write_text(json.dumps(run))
+    run_state().write(directory)
     write_jsonl(directory / "trainer" / "steps.jsonl", [step_record(s) for s in range(NUM_STEPS)])
     evals = [eval_record("warm_start", 0, 63)]
     evals += [eval_record("periodic", s, 63 + s) for s in (10, 20, 30, 40, 50)]
@@ -222,8 +228,7 @@ def test_missing_inputs_give_no_data_plots_and_a_short_summary(tmp_path: Path) -
 def test_partial_inputs_leave_out_what_they_lack(run_dir: Path) -> None:
     (run_dir / "reward_timing.jsonl").unlink()
     (run_dir / "weightsync" / "transfers.jsonl").unlink()
-    run = json.loads((run_dir / "run.json").read_text())
-    (run_dir / "run.json").write_text(json.dumps(run | {"finished": None}))
+    run_state(finished=None, state="training").write(run_dir)
     # bypass mode: no mismatch metrics; one step logs a NaN reward
     records = [
         {k: v for k, v in step_record(s).items() if not k.startswith("abs_log_ratio")}
@@ -303,8 +308,16 @@ def test_corrupt_run_json_is_named_and_the_directory_names_the_run(run_dir: Path
         "run.json": "run.json: Expecting property name enclosed in double quotes: line 1 "
         "column 2 (char 1)"
     }
-    assert report.run_id == RUN_ID and report.task is None
+    assert report.run_id == RUN_ID and report.run is None
     assert summary_text(report).startswith(f"Run {RUN_ID} trained for 60 steps: held-out")
+
+
+def test_a_run_json_of_the_wrong_shape_is_named_with_its_field(run_dir: Path) -> None:
+    state = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps(state | {"eta": "one"}))
+    report = write_report(run_dir)
+    assert report.unreadable["run.json"].startswith("run.json: eta: Input should be a valid int")
+    assert report.run is None and "Left out as unreadable" in report.html_path.read_text()
 
 
 def test_importing_the_report_does_not_import_matplotlib() -> None:
@@ -319,7 +332,7 @@ def test_the_summary_gives_rejections_failures_wasted_tokens_and_why_the_run_sto
 
     directory = tmp_path / "r-stopped"
     directory.mkdir()
-    (directory / "run.json").write_text(json.dumps({"run_id": "r-stopped", "steps": 10}))
+    run_state("r-stopped", steps=10, finished=None, state="stopped").write(directory)
     steps = []
     for step in range(2):
         steps.append(
