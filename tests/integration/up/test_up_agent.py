@@ -1,10 +1,8 @@
 """`relayrl up --agent`: a user's agent program rolls out every training sample of a short run
 through the real stack (redis-server, the four services and a real vLLM engine). Agent
-frameworks, the OpenAI Agents SDK among them, are in test_up_frameworks.py.
-
-The plain `openai` program of examples/agents/plain_openai_agent.py trains unchanged: it asks two
-chat turns and exits 0 without closing its session, and its exit ends the episode; every step
-trains kept groups of its two-turn trajectories, none an infrastructure failure.
+frameworks, the OpenAI Agents SDK among them, are in test_up_frameworks.py; the plain `openai`
+program of examples/agents/plain_openai_agent.py, which never closes its session, rolls out
+test_up_e2e.py's colocate_async run.
 
 `relayrl up --data --env-reward --agent` with a verifiers environment (examples/agents/
 verifiers_env's vf-arith, exported to a dataset and served by examples/agents/verifiers_agent.py
@@ -15,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,39 +42,6 @@ VERIFIERS_ENV = {"PYTHONPATH": str(REPO / "examples" / "agents" / "verifiers_env
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
     return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
-
-
-@pytest.mark.timeout(900)
-def test_a_plain_openai_program_that_never_closes_its_session_trains_unchanged(
-    runs_dir: Path,
-) -> None:
-    steps, n = SHORT_RUN["train"]["steps"], SHORT_RUN["train"]["samples_per_prompt"]
-    groups = SHORT_RUN["train"]["batch_groups"]
-    up = UpProcess.start(runs_dir, SHORT_RUN, "--agent", f"{sys.executable} {PLAIN_AGENT}")
-    try:
-        assert up.wait(800) == 0, up.output()
-        run_dir, output = up.run_dir, up.output()
-    finally:
-        up.stop()
-    assert f"trained arith for {steps} steps" in output, output
-
-    records = steps_logged(run_dir)
-    assert [r.step for r in records] == list(range(steps))
-    assert all(len(record.uids) == groups for record in records), records  # kept groups
-    audit = audit_queue(run_dir)
-    check_exactly_once(run_dir, audit)
-    infra = audit.infra_trajectories()
-    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
-    for uid in {uid for record in records for uid in record.uids}:
-        entry = audit.groups[uid]
-        assert entry.group.agent == "external"
-        assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
-        for trajectory in entry.trajectories:
-            assert trajectory.labels["agent_session"] and trajectory.finish_reason != "error"
-            # two generated turns, the user's follow-up between them
-            mask = bytes(trajectory.response_mask)
-            assert mask[0] == 1 and mask[-1] == 1 and 0 in mask, uid
-    assert processes_of(run_dir) == [] and running(PLAIN_AGENT) == []
 
 
 @pytest.mark.timeout(900)

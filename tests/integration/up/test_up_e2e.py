@@ -1,15 +1,23 @@
 """`relayrl up` end to end, as a user runs it: redis-server, the four services and a real vLLM
 engine as processes, a warm-started tiny model trained for a few GRPO steps in each trainer
-mode (colocate_async on a reasoning-gym task), then audited
-(relayrl_testkit.helpers.up.check_short_run): weight versions reached the engine, the
-TransferQueue consumed every trained group exactly once and marked no trajectory as an
-infrastructure failure, every service's /metrics served its series, and nothing is left
-running. The default mode's run is test_up_hosts.py's, checked the same way."""
+mode, then audited (relayrl_testkit.helpers.up.check_short_run): weight versions reached the
+engine, the TransferQueue consumed every trained group exactly once and marked no trajectory as
+an infrastructure failure, every service's /metrics served its series, and nothing is left
+running. The default mode's run is test_up_hosts.py's, checked the same way.
+
+colocate_async's run covers two more things a user brings, so that the suite starts one stack
+for three checks: a reasoning-gym task (an external package's generator and its own reward
+manager), and the README's promise that any OpenAI-client program trains unchanged. Its every
+sample is rolled out by examples/agents/plain_openai_agent.py, which asks two chat turns with
+the plain `openai` client and exits 0 without closing its session: its exit ends the episode,
+and every step trains kept groups of its two-turn trajectories, none an infrastructure
+failure."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +37,8 @@ from relayrl_testkit.helpers.up import (
     processes_of,
     relayrl,
     repository_copy,
+    running,
+    service_warnings,
     sharing_cache,
     steps_logged,
     wait_for_steps,
@@ -42,9 +52,11 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory, up_cache: Path) -> Path:
     return sharing_cache(tmp_path_factory.mktemp("runs"), up_cache)
 
 
-# The task each mode's run trains. colocate_async's is a reasoning-gym task (an external
-# package's generator and its own reward manager), so that one run covers both.
+REPO = Path(__file__).resolve().parents[3]
+PLAIN_AGENT = REPO / "examples" / "agents" / "plain_openai_agent.py"
+# The task each mode's run trains, and colocate_async's agent (see the module's docstring).
 TASKS = {"sync": "arith", "colocate_async": "reasoning_gym:leg_counting"}
+PLAIN_AGENT_ARGS = ("--agent", f"{sys.executable} {PLAIN_AGENT}")
 
 
 @pytest.mark.timeout(900)
@@ -57,7 +69,7 @@ def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> 
         repo = repository_copy(tmp_path / "repo")
         up = UpProcess.make_run(repo, SHORT_RUN, "--mode", mode)
     else:
-        up = UpProcess.start(runs_dir, SHORT_RUN, "--mode", mode, "--task", task)
+        up = UpProcess.start(runs_dir, SHORT_RUN, "--mode", mode, "--task", task, *PLAIN_AGENT_ARGS)
     try:
         assert up.wait(900) == 0, up.output()
         run_dir = up.run_dir
@@ -74,6 +86,28 @@ def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> 
         assert managers["reasoning_gym"]["type"] == "reasoning_gym"
 
     check_short_run(run_dir, mode, steps)
+    if mode == "colocate_async":
+        check_plain_agent_trained_unchanged(run_dir)
+
+
+def check_plain_agent_trained_unchanged(run_dir: Path) -> None:
+    """Every trained sample is one of the plain program's sessions, ended by its exit: two
+    generated turns with the user's follow-up between them, none an infrastructure failure."""
+    n, groups = SHORT_RUN["train"]["samples_per_prompt"], SHORT_RUN["train"]["batch_groups"]
+    records = steps_logged(run_dir)
+    assert all(len(record.uids) == groups for record in records), records  # kept groups
+    audit = audit_queue(run_dir)
+    infra = audit.infra_trajectories()
+    assert infra == [], "\n".join([*infra, service_warnings(run_dir)])
+    for uid in {uid for record in records for uid in record.uids}:
+        entry = audit.groups[uid]
+        assert entry.group.agent == "external"
+        assert sorted(t.index for t in entry.trajectories) == list(range(n)), uid
+        for trajectory in entry.trajectories:
+            assert trajectory.labels["agent_session"] and trajectory.finish_reason != "error"
+            mask = bytes(trajectory.response_mask)
+            assert mask[0] == 1 and mask[-1] == 1 and 0 in mask, uid
+    assert running(PLAIN_AGENT) == []
 
 
 @pytest.mark.timeout(1200)
