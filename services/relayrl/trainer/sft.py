@@ -114,7 +114,8 @@ def sampled_accuracy(model, examples: list[SftExample], micro_batch_size: int) -
     for first in range(0, len(examples), 256):
         chunk = examples[first : first + 256]
         ids, lengths, mask = _collate(chunk)
-        logp = forward_logprobs(model, TokenBatch(ids, lengths), micro_batch_size=micro_batch_size)
+        batch = TokenBatch.scoring(ids, lengths, mask)
+        logp = forward_logprobs(model, batch, micro_batch_size=micro_batch_size)
         total += float(torch.exp((logp * mask).sum(dim=1)).sum())
     return total / len(examples)
 
@@ -184,7 +185,7 @@ def run_sft(settings: SftConfig) -> dict[str, float]:
             nll_sums: list[float] = []
             forward_backward(
                 model,
-                TokenBatch(ids, lengths),
+                TokenBatch.scoring(ids, lengths, mask),
                 micro_batch_size=settings.micro_batch_size,
                 temperature=1.0,
                 loss_fn=_nll_loss(mask, float(mask.sum()), nll_sums),

@@ -142,7 +142,7 @@ class PolicyUpdater:
         start = time.perf_counter()
         logp = forward_logprobs(
             model,
-            TokenBatch(local.input_ids_BT, local.lengths_B),
+            TokenBatch.scoring(local.input_ids_BT, local.lengths_B, local.mask_BT),
             micro_batch_size=mbs,
             micro_batch_tokens=self._algorithm.micro_batch_tokens,
             temperature=self._algorithm.temperature,
@@ -266,7 +266,7 @@ class PolicyUpdater:
         start = time.perf_counter()
         forward_backward(
             self._model,
-            TokenBatch(local.input_ids_BT, local.lengths_B),
+            TokenBatch.scoring(local.input_ids_BT, local.lengths_B, local.mask_BT),
             micro_batch_size=mbs,
             micro_batch_tokens=algorithm.micro_batch_tokens,
             temperature=algorithm.temperature,

@@ -33,6 +33,19 @@ def token_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lengths
 
 
+def first_scored() -> torch.Tensor:
+    """A response start per row: mid-row, at the row's end (nothing scored), and at 1."""
+    _, lengths = token_batch()
+    first = (lengths // 2).clamp(min=1)
+    first[1], first[2] = lengths[1], 1
+    return first
+
+
+def scored_mask(lengths: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    t = torch.arange(SEQ_LEN)
+    return ((t >= first.unsqueeze(1)) & (t < lengths.unsqueeze(1))).float()
+
+
 def global_token_count() -> float:
     _, lengths = token_batch()
     return float((lengths - 1).sum())
@@ -45,6 +58,13 @@ def nll_loss(batch: Any, global_tokens: float):
         mask_bT = batch.token_mask_BT()[rows]
         loss = -(logp_bT * mask_bT).sum() / global_tokens
         return loss, {"loss": float(loss), "num_rows": float(rows.stop - rows.start)}
+
+    return loss_fn
+
+
+def masked_loss(mask_BT: torch.Tensor):
+    def loss_fn(logp_bT: torch.Tensor, rows: slice) -> tuple[torch.Tensor, dict[str, float]]:
+        return -(logp_bT * mask_BT[rows]).sum() / float(mask_BT.sum()), {}
 
     return loss_fn
 
@@ -114,6 +134,17 @@ def model_checks(rank: int, world_size: int, hf_dir: Path, out_dir: Path) -> dic
         model, batch, micro_batch_size=NUM_ROWS // 4, temperature=1.0, loss_fn=loss_fn
     )
     out["grads_4mb"] = local_grads(model)
+
+    # the output layer over the scored positions only, against the whole pass masked to them
+    mask = scored_mask(batch.lengths_B, first_scored())
+    scored = TokenBatch.scoring(batch.input_ids_BT, batch.lengths_B, mask)
+    out["logp_scored"] = forward_logprobs(model, scored, micro_batch_size=3, temperature=0.7)
+    out["logp_scored_mask"] = mask
+    masked_nll = masked_loss(mask)
+    forward_backward(model, batch, micro_batch_size=3, temperature=1.0, loss_fn=masked_nll)
+    out["grads_masked"] = local_grads(model)
+    forward_backward(model, scored, micro_batch_size=3, temperature=1.0, loss_fn=masked_nll)
+    out["grads_scored"] = local_grads(model)
     out["export_before"] = dict(export_hf_tensors(model, spec))
 
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-2, clip_grad=0.0))
@@ -374,6 +405,19 @@ def test_forward_logprobs_equal_a_direct_log_softmax(
 
 
 @pytest.mark.slow
+def test_only_the_scored_positions_pass_the_output_layer_with_the_same_result(
+    tp1: dict[str, Any], tp2: list[dict[str, Any]]
+) -> None:
+    for result in [tp1, *tp2]:
+        mask = result["logp_scored_mask"]
+        logp = result["logp_scored"]
+        # equal where scored (a response), 0 before (a prompt: its logits never computed)
+        torch.testing.assert_close(logp, result["logp_t07"] * mask, atol=1e-5, rtol=0)
+        assert (logp[mask == 0] == 0).all()
+        for name, grad in result["grads_masked"].items():
+            torch.testing.assert_close(result["grads_scored"][name], grad, atol=GRAD_TOL, rtol=0)
+
+
 def test_logprobs_agree_across_tensor_parallel_sizes(
     tp1: dict[str, Any], tp2: list[dict[str, Any]]
 ) -> None:
