@@ -25,7 +25,7 @@ PROTO_SOURCES := $(shell find protos -name '*.proto' | sort)
 TORCH_PIN = $$($(PYTHON) -c 'import tomllib; g = tomllib.load(open("pyproject.toml", "rb"))["dependency-groups"]; print(next(r for r in g["$(1)"] if r.startswith("torch==")))')
 PROTO_STAMP := services/relayrl/proto/GENERATED_FROM
 
-.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-delta bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch bench-math-verify run lock clean
+.PHONY: help setup protos contract test test-unit test-integration test-learning lint bench bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-attention bench-weightsync bench-delta bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-fp8 bench-staleness bench-mismatch bench-math-verify run lock clean
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 20
@@ -107,7 +107,7 @@ lint: setup ## ruff check + format check; every proto compiles and v1 changed ad
 	$(BIN)/ruff format --check services testkit tests bench deploy examples
 	$(BIN)/python -m relayrl.core.protogen check
 
-bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-delta bench-fp8 bench-staleness bench-mismatch bench-math-verify ## run every benchmark
+bench: bench-tq bench-reward bench-reward-load bench-gateway bench-trainer bench-weightsync bench-e2e bench-pipeline bench-sim-reproduce bench-chaos bench-netfault bench-real-model bench-learn-real bench-trust bench-agents bench-attention bench-delta bench-fp8 bench-staleness bench-mismatch bench-math-verify ## run every benchmark
 
 bench-tq: setup ## TransferQueue vs raw pipelined redis-py on 2048-token trajectories
 	$(BIN)/python bench/tq_bench.py
@@ -126,6 +126,9 @@ bench-gateway: setup ## rollouts through the real gateway vs straight to the vLL
 
 bench-trainer: setup ## trainer steps fed from a real TransferQueue: time per phase, overhead
 	$(BIN)/python bench/trainer_bench.py
+
+bench-attention: setup ## the trainer's fused causal attention vs megatron's eager one, on one core (~2 min)
+	$(BIN)/python bench/attention_bench.py
 
 bench-weightsync: setup ## a ~1 GiB bf16 model over each weight-sync data plane vs loopback TCP
 	$(BIN)/python bench/weightsync_bench.py

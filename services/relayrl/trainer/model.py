@@ -198,7 +198,8 @@ def build_model(
     bucket_size: int | None = None,
 ) -> PolicyModel:
     """A megatron DDP-wrapped GPTModel (local layer spec: RMSNorm, SwiGLU, RoPE with the spec's
-    theta, GQA, QKV bias and tied embeddings as the spec says), randomly initialised.
+    theta, GQA, QKV bias and tied embeddings as the spec says; fused causal attention,
+    relayrl.trainer.attention), randomly initialised.
 
     Gradients are accumulated in fp32 (`param.main_grad`) and summed, not averaged, over
     data-parallel ranks (`calculate_per_token_loss`); `use_distributed_optimizer` shards the
@@ -210,12 +211,14 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from relayrl.trainer.attention import FusedCausalAttention
+
     config = transformer_config(spec, params_dtype)
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+    layer_spec.submodules.self_attention.submodules.core_attention = FusedCausalAttention
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=spec.qk_norm
-        ),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,
