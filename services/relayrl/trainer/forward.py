@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from relayrl.trainer.logprobs import chunked_token_logprobs
-from relayrl.trainer.model import unwrap_model
 
 if TYPE_CHECKING:
     from relayrl.trainer.runtime import PolicyModel, PolicyOptimizer
@@ -193,6 +192,8 @@ def _only_positions(
         hidden_sbh = args[0]  # megatron's [sequence, batch, hidden]
         picked = hidden_sbh[positions.to(hidden_sbh.device) - 1, rows.to(hidden_sbh.device)]
         return (picked.unsqueeze(1), *args[1:]), kwargs
+
+    from relayrl.trainer.model import unwrap_model  # imports megatron: not on this module's import
 
     handle = unwrap_model(model).output_layer.register_forward_pre_hook(select, with_kwargs=True)
     try:
