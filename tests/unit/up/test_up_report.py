@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from relayrl.core.records import EvalRecord
+from relayrl.up.defaults import resolve
 from relayrl.up.report import (
     DPI,
     FIGSIZE,
@@ -23,7 +24,6 @@ from relayrl.up.report import (
     summary_text,
     write_report,
 )
-from relayrl.up.defaults import resolve
 from relayrl.up.run_state import RunState
 from relayrl.up.timing import RewardTiming, write_reward_timing
 
