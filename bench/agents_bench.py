@@ -199,7 +199,8 @@ def gateway_config(redis_url: str, model_dir: Path, engine_url: str, concurrency
         "tokenizer": str(model_dir),
         "engines": {"urls": [engine_url], "health_interval_s": 1.0, "request_timeout_s": 120},
         # No trainer: the throttle must not hold back any round's groups.
-        "rollout": {"partitions": [PARTITION], "batch_size": 100_000},
+        "rollout": {"partitions": [PARTITION]},
+        "rollout_shape": {"batch_groups": 100_000},
         "agent_http": {"max_tokens": 512, "default_max_tokens": 128},
         "agents": {
             "external": {

@@ -230,12 +230,8 @@ def gateway_config(redis_url: str, model_dir: Path, engine_url: str, groups: int
         "engines": {"urls": [engine_url], "request_timeout_s": 120},
         # Every group of a round in one claim: B = groups, and eta large enough that the
         # throttle never holds a later round back (launched only grows: nothing is consumed).
-        "rollout": {
-            "partitions": [PARTITION],
-            "batch_size": groups,
-            "eta": 64,
-            "max_inflight_groups": max(64, groups),
-        },
+        "rollout": {"partitions": [PARTITION], "max_inflight_groups": max(64, groups)},
+        "rollout_shape": {"batch_groups": groups, "eta": 64},
         "logging": {"level": "WARNING"},
     }
 

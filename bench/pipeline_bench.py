@@ -175,8 +175,8 @@ def compose_stack(
         tq=TQConfig(url=redis_url, namespace=NAMESPACE, partitions=[PARTITION]),
         partition=PARTITION,
         model_path=model_dir,
-        rollout=RolloutShape(
-            mode=design.mode,
+        mode=design.mode,
+        rollout_shape=RolloutShape(
             eta=design.eta,
             batch_groups=args.batch_size,
             samples_per_prompt=1,

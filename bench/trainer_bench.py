@@ -113,10 +113,8 @@ def main() -> int:
             config = {
                 "tq": {"url": redis_server.url},
                 "model": {"hf_dir": str(model)},
-                "algorithm": {
-                    "train_batch_groups": args.groups,
-                    "micro_batch_size": args.micro_batch_size,
-                },
+                "rollout_shape": {"batch_groups": args.groups},
+                "algorithm": {"micro_batch_size": args.micro_batch_size},
                 "progress": {"stall_min_s": 60},
                 "metrics_log": str(log),
                 "total_steps": args.steps + args.warmup,

@@ -28,6 +28,7 @@ from relayrl.stack import (
     RolloutShape,
     StackConfig,
     Wiring,
+    as_file,
 )
 from relayrl.stack.config import CONFIG_CLASSES
 from relayrl.tq.config import TQConfig
@@ -92,11 +93,11 @@ def chart_wiring(values: dict[str, Any]) -> Wiring:
         ),
         partition="train",
         model_path=Path(values["model"]["path"]),
-        rollout=RolloutShape(
-            mode=t["mode"],
+        mode=t["mode"],
+        parameter_sync_step=t["parameterSyncStep"],
+        rollout_shape=RolloutShape(
             eta=t["eta"],
             batch_groups=t["trainBatchGroups"],
-            parameter_sync_step=t["parameterSyncStep"],
             samples_per_prompt=t["samplesPerPrompt"],
             max_tokens=t["maxTokens"],
         ),
@@ -157,7 +158,7 @@ def drift(service: str, rendered: dict[str, Any], wiring: Wiring) -> list[str]:
     """The fields of `rendered` that differ from what the wiring derives, one line each."""
     cls = CONFIG_CLASSES[service]
     actual = cls.model_validate(rendered).model_dump(mode="json", by_alias=True)
-    expected = cls.model_validate(deep_merge(rendered, wiring.derive(service))).model_dump(
+    expected = cls.model_validate(deep_merge(rendered, as_file(wiring.derive(service)))).model_dump(
         mode="json", by_alias=True
     )
     return [
@@ -184,7 +185,7 @@ def test_every_rendered_service_config_is_the_compositions_wiring(
     problems = [line for s in SERVICES for line in drift(s, configs[s], wiring)]
     assert problems == [], "\n".join(problems)
     stack = StackConfig.model_validate({"wiring": wiring, **{s: configs[s] for s in SERVICES}})
-    assert stack.trainer.algorithm.eta == wiring.rollout.eta
+    assert stack.trainer.rollout_shape == stack.gateway.rollout_shape == wiring.rollout_shape
 
 
 def test_drift_is_caught(rendered_configs: Any) -> None:
@@ -192,9 +193,9 @@ def test_drift_is_caught(rendered_configs: Any) -> None:
     weight-sync, is reported with the field and both values."""
     configs = rendered_configs["default"]
     wiring = chart_wiring(chart_values("default"))
-    gateway = deep_merge(configs["gateway"], {"rollout": {"eta": 7.0}})
+    gateway = deep_merge(configs["gateway"], {"rollout_shape": {"eta": 7}})
     assert drift("gateway", gateway, wiring) == [
-        f"gateway.rollout.eta: chart 7.0, composition {float(wiring.rollout.eta)!r}"
+        f"gateway.rollout_shape.eta: chart 7, composition {wiring.rollout_shape.eta!r}"
     ]
     target = "dns:///elsewhere:50051"
     trainer = deep_merge(configs["trainer"], {"publish": {"target": target}})

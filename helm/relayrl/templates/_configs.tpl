@@ -3,6 +3,16 @@
      `config:` merged over it. tests/deploy/test_helm_chart.py runs every rendered file
      through the service's own `--print-config` validation. */}}
 
+{{/* The rollout shape, one model that the trainer and the gateway both embed unchanged
+     (relayrl.core.rollout_shape): groups per step, samples per prompt, budget, eta. */}}
+{{- define "relayrl.rolloutShape" -}}
+rollout_shape:
+  eta: {{ .Values.training.eta | int }}
+  batch_groups: {{ .Values.training.trainBatchGroups | int }}
+  samples_per_prompt: {{ .Values.training.samplesPerPrompt | int }}
+  max_tokens: {{ .Values.training.maxTokens | int }}
+{{- end }}
+
 {{- define "relayrl.config.gateway" -}}
 {{- $ctx := dict "root" . "component" "gateway" }}
 {{- $t := .Values.training }}
@@ -19,9 +29,7 @@ engines:
   {{- include "relayrl.identityToken" (dict "root" . "principal" "gateway") }}
 rollout:
   partitions: [train]
-  eta: {{ .Values.training.eta | float64 }}
-  batch_size: {{ .Values.training.trainBatchGroups }}
-  max_response_tokens: {{ .Values.training.maxTokens }}
+{{ include "relayrl.rolloutShape" . }}
 agent_http:
   enabled: true
   host: 0.0.0.0
@@ -123,11 +131,10 @@ weightsync:
   params_dtype: {{ .Values.trainer.paramsDtype }}
 optim:
   lr: {{ .Values.training.lr | float64 }}
+{{ include "relayrl.rolloutShape" . }}
 algorithm:
   mode: {{ .Values.training.mode }}
-  eta: {{ .Values.training.eta }}
   parameter_sync_step: {{ .Values.training.parameterSyncStep }}
-  train_batch_groups: {{ .Values.training.trainBatchGroups }}
 data:
   {{- $data := .Values.data }}
   {{- if $data.trainFiles }}
@@ -154,9 +161,7 @@ data:
   prompts_file: /data/prompts/{{ .Values.trainer.prompts.file }}
   {{- end }}
   partition: train
-  samples_per_prompt: {{ .Values.training.samplesPerPrompt }}
   run_id: {{ .Values.training.runId }}
-  max_tokens: {{ .Values.training.maxTokens }}
 checkpoint:
   dir: /checkpoints/{{ .Values.training.runId }}
   interval_steps: {{ .Values.trainer.checkpoints.intervalSteps }}

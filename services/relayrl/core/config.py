@@ -61,8 +61,9 @@ class StrictModel(BaseModel):
     """Base of every config section: a misspelt key is an error, not a silently ignored one.
 
     A section whose key moved lists it in `renamed_keys` (old key -> where it went, relative
-    to the section): the old key stays an error, whose message names the new one. Nothing
-    has been released, so a move is not kept working under its old name."""
+    to the section, or from the file's top with a leading `/`): the old key stays an error,
+    whose message names the new one. Nothing has been released, so a move is not kept working
+    under its old name."""
 
     model_config = ConfigDict(extra="forbid")
     renamed_keys: ClassVar[dict[str, str]] = {}
@@ -633,16 +634,23 @@ def _describe_errors(
     """One line per config, `source: field.path: message`, errors joined with '; '."""
     lines = []
     for error in exc.errors(include_url=False):
-        loc = _field_loc(model_cls, error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
-            message = _extra_key_message(model_cls, loc, message)
+        loc, message = explain_error(model_cls, error)
         source = _source_of(loc, file_label, sources)
         if loc:
             lines.append(f"{source}: {'.'.join(str(part) for part in loc)}: {message}")
         else:  # a check across sections: its message names the fields
             lines.append(f"{source}: {message}")
     return "; ".join(lines)
+
+
+def explain_error(model_cls: type[BaseModel], error: Any) -> tuple[tuple[int | str, ...], str]:
+    """One of pydantic's errors for `model_cls` as (the YAML keys' path, what to fix): an
+    unknown key that a section renamed says where it went."""
+    loc = _field_loc(model_cls, error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = _extra_key_message(model_cls, loc, message)
+    return loc, message
 
 
 def _field_loc(model_cls: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
@@ -693,6 +701,8 @@ def _extra_key_message(model_cls: type[BaseModel], loc: tuple[int | str, ...], m
     for model in models:
         moved = getattr(model, "renamed_keys", {}).get(str(loc[-1]))
         if moved is not None:
+            if moved.startswith("/"):
+                return f"moved to {moved[1:]}"
             return f"renamed to {'.'.join(map(str, (*loc[:-1], *moved.split('.'))))}"
     names = [info.alias or name for model in models for name, info in model.model_fields.items()]
     return message + (f" (known: {', '.join(dict.fromkeys(names))})" if names else "")

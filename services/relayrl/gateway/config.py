@@ -13,6 +13,7 @@ from relayrl.core.config import (
     StrictModel,
     TokenSourceConfig,
 )
+from relayrl.core.rollout_shape import RolloutShape
 from relayrl.inference.config import EngineHttpConfig
 from relayrl.tq.codec import check_partition_name
 from relayrl.tq.config import PartitionNames, TQConfig
@@ -106,20 +107,14 @@ class EnginesConfig(TokenSourceConfig):
 class RolloutConfig(StrictModel):
     """How prompt groups become trajectories."""
 
+    renamed_keys = {
+        "eta": "/rollout_shape.eta",
+        "batch_size": "/rollout_shape.batch_groups",
+        "max_response_tokens": "/rollout_shape.max_tokens",
+    }
+
     partitions: PartitionNames = Field(
         default_factory=lambda: ["train"], description="Partitions to claim prompt groups from."
-    )
-    eta: float = Field(
-        0.0,
-        ge=0.0,
-        le=64.0,
-        description="Staleness bound: launched < (v + 1 + eta) * batch_size; 0 is synchronous.",
-    )
-    batch_size: int = Field(
-        8,
-        ge=1,
-        le=1_000_000,
-        description="Prompt groups per trainer step (until the trainer says).",
     )
     lease_s: float = Field(
         120.0, gt=0.0, le=86_400.0, description="Claim lease; renewed while a group runs."
@@ -134,9 +129,6 @@ class RolloutConfig(StrictModel):
         "single_turn", min_length=1, description="Agent loop for groups that name none."
     )
     max_turns: int = Field(4, ge=1, le=1000, description="Default cap on agent turns.")
-    max_response_tokens: int = Field(
-        512, ge=1, le=1_000_000, description="Default budget of response tokens, all turns."
-    )
 
 
 class ExternalAgentConfig(StrictModel):
@@ -298,6 +290,12 @@ class GatewayConfig(ServiceConfig):
     )
     engines: EnginesConfig = Field(default_factory=EnginesConfig, description="Engine replicas.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollouts.")
+    rollout_shape: RolloutShape = Field(
+        default_factory=RolloutShape,
+        description="Groups per step and eta (the launch throttle, until the trainer says), "
+        "the response budget of a group that names none; the trainer's config holds the same "
+        "model and must hold the same values.",
+    )
     agents: AgentsConfig = Field(default_factory=AgentsConfig, description="Agent loops, tools.")
     agent_http: AgentHttpConfig = Field(
         default_factory=AgentHttpConfig, description="OpenAI-compatible endpoint for agents."

@@ -62,7 +62,7 @@ class Throttle:
 
     policy_step: int = 0
     batch_size: int = 8
-    eta: float = 0.0
+    eta: int = 0
     refill_groups: int = 0
 
     @property

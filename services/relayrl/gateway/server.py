@@ -46,7 +46,7 @@ def sampling_for(
     group differ yet a retried sample repeats). temperature is taken as given (0 = greedy)."""
     params = group.sampling
     return SamplingOptions(
-        max_tokens=params.max_response_tokens or config.rollout.max_response_tokens,
+        max_tokens=params.max_response_tokens or config.rollout_shape.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p or 1.0,
         top_k=params.top_k if params.top_k > 0 else -1,
@@ -98,7 +98,7 @@ class GatewayApp:
                 self.context_for,
                 partition=partition,
                 claimer=claimer,
-                throttle=Throttle(0, config.rollout.batch_size, config.rollout.eta),
+                throttle=Throttle(0, config.rollout_shape.batch_groups, config.rollout_shape.eta),
                 lease_s=config.rollout.lease_s,
                 max_inflight_groups=config.rollout.max_inflight_groups,
                 request_timeout_s=engines.request_timeout_s,
@@ -165,12 +165,13 @@ class GatewayApp:
         return f"http://{host}:{self.agent_http_port()}"
 
     def context_for(self, group: common_pb2.PromptGroup, index: int) -> AgentContext:
-        rollout = self.config.rollout
+        config = self.config
         return AgentContext(
             tokenizer=self.tokenizer,
-            sampling=sampling_for(group, index, self.config),
-            max_turns=group.sampling.max_turns or rollout.max_turns,
-            max_response_tokens=group.sampling.max_response_tokens or rollout.max_response_tokens,
+            sampling=sampling_for(group, index, config),
+            max_turns=group.sampling.max_turns or config.rollout.max_turns,
+            max_response_tokens=group.sampling.max_response_tokens
+            or config.rollout_shape.max_tokens,
             tools=self.tools,
         )
 

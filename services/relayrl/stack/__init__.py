@@ -10,6 +10,7 @@ from relayrl.stack.config import (
     StackConfig,
     StackError,
     Wiring,
+    as_file,
     disagreements,
 )
 
@@ -23,5 +24,6 @@ __all__ = [
     "StackConfig",
     "StackError",
     "Wiring",
+    "as_file",
     "disagreements",
 ]

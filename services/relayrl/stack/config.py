@@ -3,12 +3,14 @@ service's own config derived from it (`StackConfig`).
 
 Every value two services must agree on -- the TransferQueue they meet in, the partition
 trajectories flow through, where each service listens and how its peers dial it, the engines,
-the policy model, the rollout shape (mode, eta, groups per step, samples per prompt, response
-budget) -- is written once, in `Wiring`, and derived into each service's section by
-`Wiring.derive`. What belongs to one service alone (its timeouts, paths, tuning) is that
-deployment's own business and is merged over the derived part; a user's overrides come last.
-`StackConfig` then validates each service with its own config class and checks that the four
-still agree (an override may break what the wiring set up). Every error names its field.
+the policy model, the trainer's mode, the rollout shape (eta, groups per step, samples per
+prompt, response budget: one model, relayrl.core.rollout_shape, that the trainer's and the
+gateway's configs embed unchanged) -- is written once, in `Wiring`, and derived into each
+service's sections by `Wiring.derive`, as the sections' own models. What belongs to one
+service alone (its timeouts, paths, tuning) is that deployment's own business and is merged
+over the derived part; a user's overrides come last. `StackConfig` then validates each service
+with its own config class and checks that the four still agree (an override may break what
+the wiring set up). Every error names its field.
 
 Three deployments compose the system this way: `relayrl up` (relayrl.up.wiring), the pipeline
 benchmark (bench/pipeline_bench.py) and the Helm chart, whose rendered service configs
@@ -23,14 +25,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
-from relayrl.core.config import LoggingConfig, StrictModel, deep_merge
-from relayrl.gateway.config import GatewayConfig, KubernetesDiscoveryConfig
-from relayrl.reward.config import RewardConfig
+from relayrl.core.config import (
+    GrpcClientConfig,
+    GrpcServerConfig,
+    LoggingConfig,
+    MetricsConfig,
+    StaticTokenAuthConfig,
+    StrictModel,
+    deep_merge,
+    explain_error,
+)
+from relayrl.core.rollout_shape import RolloutShape
+from relayrl.gateway.config import (
+    EnginesConfig,
+    GatewayConfig,
+    KubernetesDiscoveryConfig,
+    RolloutConfig,
+)
+from relayrl.reward.config import RewardConfig, TQScorerConfig
 from relayrl.tq.config import TQConfig
-from relayrl.trainer.config import TrainerConfig, WeightSyncPublishConfig
-from relayrl.weightsync.config import WeightSyncConfig
+from relayrl.trainer.config import (
+    AlgorithmConfig,
+    ModelConfig,
+    PromptDataConfig,
+    TrainerConfig,
+    WeightSyncPublishConfig,
+)
+from relayrl.weightsync.config import WeightSyncConfig, WeightSyncEnginesConfig
 
 ServiceName = Literal["reward", "gateway", "weightsync", "trainer"]
 SERVICES: tuple[ServiceName, ...] = ("reward", "gateway", "weightsync", "trainer")
@@ -89,19 +112,6 @@ class EngineDiscovery(StrictModel):
         return self
 
 
-class RolloutShape(StrictModel):
-    """What the trainer and the gateway must agree on about rollout."""
-
-    mode: Literal["sync", "colocate_async", "separate_async"] = Field(
-        "separate_async", description="Trainer mode (its table of modes checks the rest)."
-    )
-    eta: int = Field(ge=0, le=64, description="Versions rollout may run ahead of training.")
-    batch_groups: int = Field(ge=1, description="Prompt groups per trainer step.")
-    parameter_sync_step: int = Field(1, ge=1, description="Local updates per version.")
-    samples_per_prompt: int = Field(ge=1, description="Trajectories per prompt group.")
-    max_tokens: int = Field(ge=1, description="Response token budget per trajectory.")
-
-
 class Identities(StrictModel):
     """Who the services are to each other: the trainer, weight-sync and the gateway check
     their callers against one tokens file (principal -> token or its `sha256:` digest), and
@@ -135,7 +145,13 @@ class Wiring(StrictModel):
     tq: TQConfig = Field(description="The TransferQueue every service meets in.")
     partition: str = Field("train", min_length=1, description="Where trajectories flow.")
     model_path: Path = Field(description="The policy's HF folder (tokenizer and weights).")
-    rollout: RolloutShape
+    mode: Literal["sync", "colocate_async", "separate_async"] = Field(
+        "separate_async", description="Trainer mode (its table of modes checks the rest)."
+    )
+    parameter_sync_step: int = Field(1, ge=1, description="Local updates per version.")
+    rollout_shape: RolloutShape = Field(
+        description="Embedded unchanged in the trainer's and the gateway's configs."
+    )
     endpoints: Endpoints
     engines: EngineDiscovery
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -145,95 +161,107 @@ class Wiring(StrictModel):
         "caller (a private machine only).",
     )
 
-    def derive(self, service: str) -> dict[str, Any]:
-        """The part of `service`'s config that the wiring decides."""
+    def derive(self, service: str) -> Sections:
+        """The sections of `service`'s config that the wiring decides, each as its own
+        validated model (`as_file` turns them into the file's part)."""
         return _DERIVE[service](self)
 
     # -- per service ----------------------------------------------------------------------
 
-    def _base(self, service: str) -> dict[str, Any]:
+    def _base(self, service: str) -> Sections:
         e = self.endpoints.of(service)
-        base = {
-            "grpc": {"host": e.bind_host, "port": e.grpc_port},
-            "metrics": {"host": e.bind_host, "port": e.metrics_port},
-            "logging": self.logging.model_dump(mode="json", by_alias=True),
+        base: Sections = {
+            "grpc": GrpcServerConfig(host=e.bind_host, port=e.grpc_port),
+            "metrics": MetricsConfig(host=e.bind_host, port=e.metrics_port),
+            "logging": self.logging,
         }
         if self.identities is not None and service != "reward":  # its callers are tenants
-            base["auth"] = {
-                "type": "static_token",
-                "tokens_file": str(self.identities.tokens_file),
-            }
+            base["auth"] = StaticTokenAuthConfig(
+                type="static_token", tokens_file=self.identities.tokens_file
+            )
         return base
 
     def _as(self, principal: str) -> dict[str, Any]:
         """What a client section adds to call as `principal` (nothing without identities)."""
         return {} if self.identities is None else self.identities.client(principal)
 
-    def _tq(self) -> dict[str, Any]:
-        return self.tq.model_dump(mode="json", exclude_unset=True)
+    def _client(self, peer: str, principal: str) -> GrpcClientConfig:
+        return GrpcClientConfig(target=self.endpoints.of(peer).target, **self._as(principal))
 
-    def _reward(self) -> dict[str, Any]:
+    def _reward(self) -> Sections:
         return {
             **self._base("reward"),
-            "tq": self._tq(),
-            "tq_scorer": {"enabled": True, "partitions": [self.partition]},
+            "tq": self.tq,
+            "tq_scorer": TQScorerConfig(enabled=True, partitions=[self.partition]),
         }
 
-    def _gateway(self) -> dict[str, Any]:
-        r = self.rollout
+    def _gateway(self) -> Sections:
+        engines = self.engines
         return {
             **self._base("gateway"),
-            "tq": self._tq(),
-            "tokenizer": str(self.model_path),
-            "engines": self.engines.model_dump(mode="json", exclude_none=True, exclude_unset=True)
-            | {"urls": list(self.engines.urls)}
-            | self._as("gateway"),
-            "rollout": {
-                "partitions": [self.partition],
-                "eta": float(r.eta),
-                "batch_size": r.batch_groups,
-                "max_response_tokens": r.max_tokens,
-            },
-            "weightsync": {"target": self.endpoints.weightsync.target} | self._as("gateway"),
+            "tq": self.tq,
+            "tokenizer": self.model_path,
+            "engines": EnginesConfig(
+                urls=engines.urls, **_set(engines, "kubernetes"), **self._as("gateway")
+            ),
+            "rollout": RolloutConfig(partitions=[self.partition]),
+            "rollout_shape": self.rollout_shape,
+            "weightsync": self._client("weightsync", "gateway"),
         }
 
-    def _weightsync(self) -> dict[str, Any]:
+    def _weightsync(self) -> Sections:
         return {
             **self._base("weightsync"),
             "advertise_target": self.endpoints.weightsync.address,
-            "engines": self._as("weightsync"),
-            "gateway": {"target": self.endpoints.gateway.target} | self._as("weightsync"),
+            "engines": WeightSyncEnginesConfig(**self._as("weightsync")),
+            "gateway": self._client("gateway", "weightsync"),
         }
 
-    def _trainer(self) -> dict[str, Any]:
-        r = self.rollout
+    def _trainer(self) -> Sections:
         return {
             **self._base("trainer"),
-            "tq": self._tq(),
-            "model": {"hf_dir": str(self.model_path)},
-            "algorithm": {
-                "mode": r.mode,
-                "eta": r.eta,
-                "parameter_sync_step": r.parameter_sync_step,
-                "train_batch_groups": r.batch_groups,
-            },
-            "data": {
-                "partition": self.partition,
-                "samples_per_prompt": r.samples_per_prompt,
-                "max_tokens": r.max_tokens,
-            },
-            "publish": {"type": "weightsync", "target": self.endpoints.weightsync.target}
-            | self._as("trainer"),
-            "gateway": {"target": self.endpoints.gateway.target} | self._as("trainer"),
+            "tq": self.tq,
+            "rollout_shape": self.rollout_shape,
+            "model": ModelConfig(hf_dir=self.model_path),
+            "algorithm": AlgorithmConfig(
+                mode=self.mode, parameter_sync_step=self.parameter_sync_step
+            ),
+            "data": PromptDataConfig(partition=self.partition),
+            "publish": WeightSyncPublishConfig(
+                type="weightsync",
+                target=self.endpoints.weightsync.target,
+                **self._as("trainer"),
+            ),
+            "gateway": self._client("gateway", "trainer"),
         }
 
 
-_DERIVE: dict[str, Callable[[Wiring], dict[str, Any]]] = {
+# A part of a service's config: top-level key -> its section's model (or a plain value).
+Sections = dict[str, Any]
+
+_DERIVE: dict[str, Callable[[Wiring], Sections]] = {
     "reward": Wiring._reward,
     "gateway": Wiring._gateway,
     "weightsync": Wiring._weightsync,
     "trainer": Wiring._trainer,
 }
+
+
+def _set(model: BaseModel, *names: str) -> dict[str, Any]:
+    """Those of `names` that `model` was given (not left to their defaults)."""
+    return {name: getattr(model, name) for name in names if name in model.model_fields_set}
+
+
+def as_file(sections: Sections) -> dict[str, Any]:
+    """Derived sections as a config file's part: each model with only the fields the wiring
+    set (what a service would default is left to it)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, BaseModel):
+            return value.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        return str(value) if isinstance(value, Path) else value
+
+    return {key: plain(value) for key, value in sections.items()}
 
 
 class StackConfig(StrictModel):
@@ -267,13 +295,15 @@ class StackConfig(StrictModel):
         configs: dict[str, StrictModel] = {}
         for name in SERVICES:
             files[name] = deep_merge(
-                deep_merge(wiring.derive(name), dict(own.get(name, {}))),
+                deep_merge(as_file(wiring.derive(name)), dict(own.get(name, {}))),
                 dict(overrides.get(name, {})),
             )
             try:
                 configs[name] = CONFIG_CLASSES[name].model_validate(files[name])
             except ValidationError as exc:
-                raise StackError(_first_error(exc, f"{overrides_label}.{name}")) from None
+                loc, message = explain_error(CONFIG_CLASSES[name], exc.errors()[0])
+                where = ".".join([overrides_label, name, *map(str, loc)])
+                raise StackError(f"{where}: {message}") from None
         # Every part is validated already; what is left is the check across them (the
         # validator's, with the deployment's hints).
         stack = cls.model_construct(wiring=wiring, **configs)
@@ -306,9 +336,9 @@ DEFAULT_HINT = "change it there, for every service at once"
 class Disagreement:
     """A service's field that contradicts the wiring: the services would not meet."""
 
-    path: str  # the service's field, e.g. trainer.algorithm.eta
+    path: str  # the service's field, e.g. trainer.rollout_shape.eta
     actual: Any
-    wiring_path: str  # the wiring's field it derives from, e.g. rollout.eta
+    wiring_path: str  # the wiring's field it derives from, e.g. rollout_shape.eta
     expected: str  # what the wiring wants, as a phrase
 
     def message(self, hints: Mapping[str, str] | None = None) -> str:
@@ -343,19 +373,14 @@ def disagreements(stack: StackConfig) -> list[Disagreement]:
     ):
         if w.partition not in names:
             found.append(Disagreement(path, names, "partition", f"{w.partition!r} is not in it"))
-    r = w.rollout
-    differ("trainer.algorithm.mode", t.algorithm.mode, "rollout.mode", r.mode)
-    differ("trainer.algorithm.eta", t.algorithm.eta, "rollout.eta", r.eta)
-    differ("gateway.rollout.eta", g.rollout.eta, "rollout.eta", float(r.eta))
-    sync_step = t.algorithm.parameter_sync_step
-    differ("trainer.algorithm.parameter_sync_step", sync_step,
-           "rollout.parameter_sync_step", r.parameter_sync_step)  # fmt: skip
-    batch = r.batch_groups
-    differ("trainer.algorithm.train_batch_groups", t.algorithm.train_batch_groups,
-           "rollout.batch_groups", batch)  # fmt: skip
-    differ("gateway.rollout.batch_size", g.rollout.batch_size, "rollout.batch_groups", batch)
-    differ("trainer.data.samples_per_prompt", t.data.samples_per_prompt,
-           "rollout.samples_per_prompt", r.samples_per_prompt)  # fmt: skip
+    for name in ("trainer", "gateway"):
+        shape = getattr(stack, name).rollout_shape
+        for key in RolloutShape.model_fields:
+            differ(f"{name}.rollout_shape.{key}", getattr(shape, key),
+                   f"rollout_shape.{key}", getattr(w.rollout_shape, key))  # fmt: skip
+    differ("trainer.algorithm.mode", t.algorithm.mode, "mode", w.mode)
+    differ("trainer.algorithm.parameter_sync_step", t.algorithm.parameter_sync_step,
+           "parameter_sync_step", w.parameter_sync_step)  # fmt: skip
     differ("gateway.tokenizer", g.tokenizer, "model_path", w.model_path)
     differ("trainer.model.hf_dir", t.model.hf_dir, "model_path", w.model_path)
     clients: dict[str, tuple[Any, str]] = {
@@ -380,9 +405,3 @@ def disagreements(stack: StackConfig) -> list[Disagreement]:
         ):
             differ(f"{name}.{kind}.port", port, f"endpoints.{name}.{kind}_port", expected)
     return found
-
-
-def _first_error(exc: ValidationError, prefix: str) -> str:
-    error = exc.errors(include_url=False)[0]
-    where = ".".join([prefix, *(str(p) for p in error["loc"])])
-    return f"{where}: {error['msg'].removeprefix('Value error, ')}"

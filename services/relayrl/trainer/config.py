@@ -21,6 +21,7 @@ from relayrl.core.config import (
     ServiceConfig,
     StrictModel,
 )
+from relayrl.core.rollout_shape import RolloutShape
 from relayrl.tq.config import TQConfig
 from relayrl.trainer.advantages import AdvantageConfig
 from relayrl.trainer.curriculum import CurriculumConfig, RetryConfig
@@ -144,18 +145,16 @@ class StalenessConfig(StrictModel):
 class AlgorithmConfig(StrictModel):
     """What one step does, and how steps relate to rollout."""
 
+    renamed_keys = {
+        "eta": "/rollout_shape.eta",
+        "train_batch_groups": "/rollout_shape.batch_groups",
+    }
+
     mode: Literal["sync", "colocate_async", "separate_async"] = Field(
         "sync",
         description="sync: rollout and training alternate on one version; colocate_async: "
         "they share devices with staleness <= 1; separate_async: separate devices, eta "
         "versions of look-ahead and parameter_sync_step local updates per version.",
-    )
-    eta: int = Field(
-        0,
-        ge=0,
-        le=64,
-        description="Versions rollout may run ahead of training (the gateway's throttle: "
-        "launched < (v + 1 + eta) * train_batch_groups).",
     )
     parameter_sync_step: int = Field(
         1,
@@ -164,13 +163,10 @@ class AlgorithmConfig(StrictModel):
         description="Local optimizer updates per published version (k); pi_old is held at "
         "the step's starting weights for all k.",
     )
-    train_batch_groups: int = Field(
-        8, ge=1, description="Prompt groups trained on per step (= k x mini_batch_groups)."
-    )
     mini_batch_groups: int | None = Field(
         None,
         ge=1,
-        description="Prompt groups per optimizer update; null: train_batch_groups / k.",
+        description="Prompt groups per optimizer update; null: rollout_shape.batch_groups / k.",
     )
     micro_batch_size: int = Field(
         4, ge=1, description="Rows (trajectories) per forward/backward micro-batch per rank."
@@ -215,23 +211,10 @@ class AlgorithmConfig(StrictModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 
-    @model_validator(mode="after")
-    def _batches(self) -> AlgorithmConfig:
-        k = self.parameter_sync_step
-        mini = self.mini_batch_groups or self.train_batch_groups // k
-        if mini * k != self.train_batch_groups:
-            raise ValueError(
-                f"train_batch_groups ({self.train_batch_groups}) must equal "
-                f"parameter_sync_step ({k}) x mini_batch_groups ({self.mini_batch_groups or mini})"
-                " — pick a train_batch_groups divisible by parameter_sync_step"
-            )
-        self.mini_batch_groups = mini
-        return self
-
-    @property
-    def staleness_threshold(self) -> int:
+    def staleness_threshold(self, eta: int) -> int:
+        """The replay gate's bound: staleness.threshold, else the mode's own at `eta`."""
         return self.staleness.threshold or default_staleness_bound(
-            self.mode, self.eta, self.parameter_sync_step
+            self.mode, eta, self.parameter_sync_step
         )
 
     def build_mode(self) -> TrainerMode:
@@ -248,6 +231,11 @@ def default_staleness_bound(mode: str, eta: int, k: int) -> int:
 
 class PromptDataConfig(StrictModel):
     """Where the trainer's prompt feeder takes prompt groups from."""
+
+    renamed_keys = {
+        "samples_per_prompt": "/rollout_shape.samples_per_prompt",
+        "max_tokens": "/rollout_shape.max_tokens",
+    }
 
     prompts_file: Path | None = Field(
         None,
@@ -272,7 +260,6 @@ class PromptDataConfig(StrictModel):
         "(the same split `relayrl up` evaluates on).",
     )
     partition: str = Field("train", min_length=1, description="TransferQueue partition.")
-    samples_per_prompt: int = Field(4, ge=1, le=1024, description="Trajectories per group.")
     shuffle_seed: int = Field(0, ge=0, description="Order of prompts in every epoch.")
     curriculum: CurriculumConfig = Field(
         default_factory=CurriculumConfig,
@@ -290,7 +277,6 @@ class PromptDataConfig(StrictModel):
         pattern=r"^[A-Za-z0-9.-]{1,40}$",
         description="Prefix of group uids, so resumed feeding reuses (never duplicates) uids.",
     )
-    max_tokens: int = Field(64, ge=1, description="Response budget per trajectory.")
     sampling_temperature: float | None = Field(
         None, gt=0, description="Rollout temperature; null: algorithm.temperature."
     )
@@ -415,6 +401,11 @@ class TrainerConfig(ServiceConfig):
     }
 
     tq: TQConfig = Field(default_factory=TQConfig, description="The TransferQueue (Redis).")
+    rollout_shape: RolloutShape = Field(
+        default_factory=RolloutShape,
+        description="Groups per step, samples per prompt, response budget and eta: the "
+        "gateway's config holds the same model and must hold the same values.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
@@ -449,6 +440,20 @@ class TrainerConfig(ServiceConfig):
     )
 
     @model_validator(mode="after")
+    def _batches(self) -> TrainerConfig:
+        algorithm, batch = self.algorithm, self.rollout_shape.batch_groups
+        k = algorithm.parameter_sync_step
+        mini = algorithm.mini_batch_groups or batch // k
+        if mini * k != batch:
+            raise ValueError(
+                f"rollout_shape.batch_groups ({batch}) must equal algorithm.parameter_sync_step "
+                f"({k}) x algorithm.mini_batch_groups ({algorithm.mini_batch_groups or mini}) "
+                "— pick a batch_groups divisible by parameter_sync_step"
+            )
+        algorithm.mini_batch_groups = mini
+        return self
+
+    @model_validator(mode="after")
     def _mode_rules(self) -> TrainerConfig:
         self.algorithm.build_mode().check(self)  # the table of modes checks its own rules
         return self
@@ -467,6 +472,10 @@ class TrainerConfig(ServiceConfig):
     # -- the runtime (torchtitan's Config.build()): each builder imports its component when
     # called, so loading a config stays free of torch and megatron. A run builds its mode once
     # and hands that instance to the leader and the loop.
+
+    @property
+    def staleness_threshold(self) -> int:
+        return self.algorithm.staleness_threshold(self.rollout_shape.eta)
 
     def build_mode(self) -> TrainerMode:
         return self.algorithm.build_mode()
@@ -519,8 +528,8 @@ class TrainerConfig(ServiceConfig):
         template = GroupTemplate(
             partition=data.partition,
             run_id=data.run_id,
-            samples_per_prompt=data.samples_per_prompt,
-            max_tokens=data.max_tokens,
+            samples_per_prompt=self.rollout_shape.samples_per_prompt,
+            max_tokens=self.rollout_shape.max_tokens,
             temperature=data.sampling_temperature or self.algorithm.temperature,
             default_agent=data.agent,
         )
@@ -542,7 +551,7 @@ class TrainerConfig(ServiceConfig):
             tq,
             data.partition,
             policy=algorithm.staleness.policy,
-            threshold=algorithm.staleness_threshold,
+            threshold=self.staleness_threshold,
             poll_interval_s=data.poll_interval_s,
             watch=watch,
             refill_per_filtered=algorithm.refill_per_filtered,

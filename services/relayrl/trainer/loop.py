@@ -150,10 +150,10 @@ class Leader:
     def feed(self, step: int) -> None:
         """Issues the prompts step `step` needs (its batch, eta steps ahead, and the refills
         granted so far) and tells the gateway the step, so its throttle admits them."""
-        algorithm = self.config.algorithm
+        shape = self.config.rollout_shape
         if self.feeder is not None:
             feeder = self.feeder
-            target = self.mode.groups_to_issue(step, algorithm.train_batch_groups, algorithm.eta)
+            target = self.mode.groups_to_issue(step, shape.batch_groups, shape.eta)
             self._through_outage(
                 "issuing prompts", lambda: feeder.issue_up_to(target + self.refill_groups, step)
             )
@@ -168,7 +168,7 @@ class Leader:
             return
         try:
             self.gateway.update_policy_step(
-                step, self.config.algorithm.train_batch_groups, self.refill_groups, attempts=1
+                step, self.config.rollout_shape.batch_groups, self.refill_groups, attempts=1
             )
         except grpc.RpcError as exc:
             logger.warning(
@@ -211,7 +211,7 @@ class Leader:
 
     def _discard(self, groups: list[common_pb2.PromptGroup], step: int) -> None:
         """Groups the staleness gate took out of play: their prompts are re-issued."""
-        threshold = self.config.algorithm.staleness_threshold
+        threshold = self.config.staleness_threshold
         for group in groups:
             staleness = step - group.tags.prompt_step + 1
             reason = f"staleness {staleness} > {threshold} at step {step}"
@@ -239,7 +239,7 @@ class Leader:
     ) -> tuple[list[ScoredGroup], StepMetrics, float]:
         sample = self.sampler.sample(
             step,
-            self.config.algorithm.train_batch_groups,
+            self.config.rollout_shape.batch_groups,
             lambda group: self.judge(group, step),
             lambda count: self._refill(step, count),
             stop,
@@ -296,7 +296,7 @@ class Leader:
                 "the %d kept",
                 step,
                 sample.num_consumed,
-                self.config.algorithm.train_batch_groups,
+                self.config.rollout_shape.batch_groups,
                 len(sample.kept),
             )
         return metrics

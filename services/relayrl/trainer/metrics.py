@@ -115,7 +115,7 @@ class TrainerMetrics:
         self.step = Gauge(_name("completed", "steps"), "Steps completed.", registry=registry)
         self.staleness_bound = Gauge(
             _name("staleness_bound", "steps"),
-            "Configured staleness bound (algorithm.staleness_threshold: the replay gate's "
+            "Configured staleness bound (algorithm.staleness.threshold: the replay gate's "
             "threshold, by default the mode's bound, eta + parameter_sync_step when async).",
             registry=registry,
         )

@@ -54,10 +54,10 @@ class SyncMode(TrainerMode):
     name = "sync"
 
     def check(self, config: TrainerConfig) -> None:
-        algorithm = config.algorithm
-        if algorithm.eta != 0:
+        algorithm, eta = config.algorithm, config.rollout_shape.eta
+        if eta != 0:
             raise ValueError(
-                f"algorithm.eta must be 0 in sync mode (got {algorithm.eta}); "
+                f"rollout_shape.eta must be 0 in sync mode (got {eta}); "
                 "use separate_async to let rollout run ahead"
             )
         if algorithm.parameter_sync_step != 1:
@@ -71,10 +71,10 @@ class ColocateAsyncMode(TrainerMode):
     name = "colocate_async"
 
     def check(self, config: TrainerConfig) -> None:
-        algorithm = config.algorithm
-        if algorithm.eta > 1:
+        algorithm, eta = config.algorithm, config.rollout_shape.eta
+        if eta > 1:
             raise ValueError(
-                f"algorithm.eta must be 0 or 1 in colocate_async mode (got {algorithm.eta}): "
+                f"rollout_shape.eta must be 0 or 1 in colocate_async mode (got {eta}): "
                 "colocated rollout cannot run more than one version ahead"
             )
         if algorithm.parameter_sync_step != 1:

@@ -260,9 +260,7 @@ class _RankZeroFront:
         )
         self.service = _ServiceThread(config, servicer, registry)
         self.service.start()
-        self.metrics = TrainerMetrics(
-            registry, config.metrics_log, config.algorithm.staleness_threshold
-        )
+        self.metrics = TrainerMetrics(registry, config.metrics_log, config.staleness_threshold)
         tq = _open_queue(config)
         registry.register(TQCollector(tq, "trainer", [config.data.partition], lambda: status.step))
         self.leader = config.build_leader(tq, mode)

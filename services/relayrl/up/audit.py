@@ -189,8 +189,9 @@ class StepRules:
         config = _service_config(run_dir, "trainer")
         if not config:
             return cls()
-        algorithm = TrainerConfig.model_validate(config).algorithm
-        return cls(algorithm.staleness_threshold, algorithm.dapo_filter, algorithm.staleness.policy)
+        trainer = TrainerConfig.model_validate(config)
+        algorithm = trainer.algorithm
+        return cls(trainer.staleness_threshold, algorithm.dapo_filter, algorithm.staleness.policy)
 
     def rejected(self, group: Any, step: int) -> bool:
         """Whether the step judged the group unusable: too stale, or not kept by the

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from relayrl.core.config import LoggingConfig
-from relayrl.stack import EngineDiscovery, Identities, RolloutShape, StackConfig, Wiring
+from relayrl.core.rollout_shape import RolloutShape
+from relayrl.stack import EngineDiscovery, Identities, StackConfig, Wiring
 from relayrl.stack.local import LocalPorts
 from relayrl.tq.config import TQConfig
 from relayrl.up.config import EXTERNAL_AGENT, UpConfig
@@ -20,12 +21,9 @@ NAMESPACE = "relayrl"
 PARTITION = "train"
 # What a `services:` override of a shared field should be instead.
 HINTS = {
-    "rollout.mode": "set train.mode instead",
-    "rollout.eta": "set train.eta instead",
-    "rollout.batch_groups": "set train.batch_groups instead",
-    "rollout.samples_per_prompt": "set train.samples_per_prompt instead",
-    "rollout.max_tokens": "set train.max_tokens instead",
-    "rollout.parameter_sync_step": "relayrl up runs one update per version",
+    "rollout_shape": "set it in train: instead",  # train: has the shape's own keys
+    "mode": "set train.mode instead",
+    "parameter_sync_step": "relayrl up runs one update per version",
     "tq": "relayrl up runs its own Redis: remove the override",
     "partition": "remove the override",
     "model_path": "the model is the run's warm start: remove the override",
@@ -47,8 +45,8 @@ def up_wiring(
         ),
         partition=PARTITION,
         model_path=model_dir,
-        rollout=RolloutShape(
-            mode=train.mode,
+        mode=train.mode,
+        rollout_shape=RolloutShape(
             eta=train.effective_eta,
             batch_groups=train.batch_groups,
             samples_per_prompt=train.samples_per_prompt,

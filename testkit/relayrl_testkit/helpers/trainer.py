@@ -192,10 +192,10 @@ def trainer_config(redis: RedisServer, model_dir: Path, tmp_path: Path, **over) 
         "tq": {"url": redis.url},
         "model": {"hf_dir": str(model_dir)},
         "optim": {"lr": 1e-4},
-        "algorithm": {"train_batch_groups": 2, "micro_batch_size": 4},
+        "rollout_shape": {"batch_groups": 2, "samples_per_prompt": 4, "max_tokens": 64},
+        "algorithm": {"micro_batch_size": 4},
         "data": {
             "prompts_file": str(write_prompts(tmp_path / "prompts.jsonl")),
-            "samples_per_prompt": 4,
             "poll_interval_s": 0.05,
         },
         "progress": {"stall_min_s": 120},

@@ -51,7 +51,7 @@ def services(
                 "tq": {"url": redis.url},
                 "tokenizer": str(model_dir),
                 "engines": {"urls": ["http://127.0.0.1:9"], "health_interval_s": 0.5},
-                "rollout": {"batch_size": 2, "eta": 0},
+                "rollout_shape": {"batch_groups": 2, "eta": 0},
                 "agent_http": {"enabled": True, "port": AGENT_PORT, "adhoc_sessions": True},
             },
         ),

@@ -418,7 +418,8 @@ def test_a_gateway_rolls_out_groups_with_the_emulators_tokens(
         "tq": {"url": redis_server.url, "partitions": [partition]},
         "tokenizer": str(model_dir),
         "engines": {"urls": [emulator.url], "health_interval_s": 0.5, "request_timeout_s": 60},
-        "rollout": {"partitions": [partition], "batch_size": 3, "eta": 0},
+        "rollout": {"partitions": [partition]},
+        "rollout_shape": {"batch_groups": 3, "eta": 0},
     }
     with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
         deadline = time.monotonic() + 60

@@ -95,7 +95,8 @@ def test_external_agents_roll_out_claimed_groups_and_failures_are_infra(
         "tq": {"url": redis_server.url},
         "tokenizer": str(model_dir),
         "engines": {"urls": [engine.url], "health_interval_s": 0.5, "request_timeout_s": 60},
-        "rollout": {"partitions": [P], "batch_size": 32},
+        "rollout": {"partitions": [P]},
+        "rollout_shape": {"batch_groups": 32},
         "agent_http": {"model_name": "policy", "max_tokens": 200, "default_max_tokens": 16},
         "agents": {
             "external": {

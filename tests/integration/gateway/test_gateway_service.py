@@ -25,12 +25,15 @@ from relayrl.tq.server import RedisServer
 P = "train"
 
 
-def gateway_config(redis: RedisServer, model_dir: Path, engine_url: str, **rollout: object) -> dict:
+def gateway_config(
+    redis: RedisServer, model_dir: Path, engine_url: str, batch_groups: int = 2, **rollout: object
+) -> dict:
     return {
         "tq": {"url": redis.url, "partitions": [P]},
         "tokenizer": str(model_dir),
         "engines": {"urls": [engine_url], "health_interval_s": 0.5, "request_timeout_s": 60},
-        "rollout": {"partitions": [P], "batch_size": 2, "eta": 0, **rollout},
+        "rollout": {"partitions": [P], **rollout},
+        "rollout_shape": {"batch_groups": batch_groups, "eta": 0},
     }
 
 
@@ -113,7 +116,7 @@ def test_an_engine_killed_mid_rollout_yields_infra_trajectories_not_a_hang(
     tq = TransferQueue(redis_server.client())
     tq.create_partition(P)
     tq.put_groups(P, [group(f"k{k}", max_tokens=400) for k in range(2)])
-    config = gateway_config(redis_server, model_dir, doomed.url, batch_size=2)
+    config = gateway_config(redis_server, model_dir, doomed.url, batch_groups=2)
     try:
         with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
             wait_until(lambda: tq.counts(P).num_launched == 2, 60, "two launched groups")
@@ -181,7 +184,7 @@ def test_control_plane_pauses_resumes_at_a_new_version_and_refuses_bad_requests(
 
     tq = TransferQueue(redis_server.client())
     tq.create_partition(P)
-    config = gateway_config(redis_server, model_dir, engine.url, batch_size=8)
+    config = gateway_config(redis_server, model_dir, engine.url, batch_groups=8)
     with ServiceProcess("relayrl-gateway", config, tmp_path / "gw") as gateway:
         paused = rpc(
             gateway,

@@ -108,7 +108,6 @@ def _lag0_rank(rank: int, world_size: int, model_dir: Path, path: str) -> dict[s
     spec, model, optimizer = build(model_dir, tp=1, lr=0.3, adam_eps=1.0)  # linear in g
     algorithm = AlgorithmConfig.model_validate(
         {
-            "train_batch_groups": 2,
             "micro_batch_size": 2,
             "loss": {
                 "importance_sampling": {"kind": "tis", "cap": 2.0, "level": "token"},
@@ -205,7 +204,7 @@ def _segments_rank(
     from relayrl.trainer.step import PolicyUpdater
 
     spec, model, optimizer = build(model_dir, tp=1, lr=0.3, adam_eps=1.0)  # linear in g
-    algorithm = AlgorithmConfig.model_validate({"train_batch_groups": 2, "micro_batch_size": 2})
+    algorithm = AlgorithmConfig.model_validate({"micro_batch_size": 2})
     groups = with_segments(make_groups(2, seed=3))
     set_on_policy(model, groups)
     if path == "relayrl":
@@ -245,7 +244,6 @@ def _pi_old_rank(rank: int, world_size: int, model_dir: Path) -> dict:
     algorithm = AlgorithmConfig.model_validate(
         {
             "mode": "separate_async",
-            "train_batch_groups": 4,
             "parameter_sync_step": 2,
             "micro_batch_size": 4,
         }
@@ -285,7 +283,6 @@ def _layout_rank(rank: int, world_size: int, model_dir: Path, tp: int) -> dict[s
     spec, model, optimizer = build(model_dir, tp=tp, lr=1.0, adam_eps=1.0)
     algorithm = AlgorithmConfig.model_validate(
         {
-            "train_batch_groups": 3,
             "micro_batch_size": 2,
             "loss": {"aggregation": "seq-mean-token-mean"},
         }
@@ -319,9 +316,7 @@ def _reference_rank(rank: int, world_size: int, model_dir: Path) -> list[float]:
     _, model, optimizer = build(model_dir, tp=1, lr=1e-2)
     ref_model = build_model(ModelSpec.from_hf_dir(model_dir))
     load_hf_dir(ref_model, model_dir)
-    algorithm = AlgorithmConfig.model_validate(
-        {"train_batch_groups": 2, "micro_batch_size": 4, "loss": {"kl_coef": 0.1}}
-    )
+    algorithm = AlgorithmConfig.model_validate({"micro_batch_size": 4, "loss": {"kl_coef": 0.1}})
     updater = PolicyUpdater(algorithm, model, optimizer, NoSchedule(), ref_model=ref_model)
     return [updater.run(make_groups(2, seed=s)).values["ref_kl"] for s in range(2)]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from relayrl.stack import SERVICES, EngineDiscovery, RolloutShape, StackConfig, StackError, Wiring
+from relayrl.core.rollout_shape import RolloutShape
+from relayrl.stack import SERVICES, EngineDiscovery, StackConfig, StackError, Wiring
 from relayrl.stack.local import LocalPorts
 from relayrl.tq.config import TQConfig
 from relayrl.up.config import UpConfig
@@ -19,7 +20,7 @@ def wiring(ports: LocalPorts, **rollout: int) -> Wiring:
     return Wiring(
         tq=TQConfig(url=ports.redis_url, namespace="t", partitions=["train"]),
         model_path=Path("/models/policy"),
-        rollout=RolloutShape(
+        rollout_shape=RolloutShape(
             **{"eta": 2, "batch_groups": 6, "samples_per_prompt": 4, "max_tokens": 32} | rollout
         ),
         endpoints=ports.endpoints(),
@@ -33,13 +34,10 @@ def test_every_shared_value_reaches_every_service_from_one_place() -> None:
     r, g, w, t = stack.reward, stack.gateway, stack.weightsync, stack.trainer
     assert {c.tq.url for c in (r, g, t)} == {ports.redis_url}
     assert {c.tq.namespace for c in (r, g, t)} == {"t"}
-    assert (g.rollout.eta, t.algorithm.eta) == (2.0, 2)
-    assert (g.rollout.batch_size, t.algorithm.train_batch_groups) == (6, 6)
-    assert (t.data.samples_per_prompt, t.data.max_tokens, g.rollout.max_response_tokens) == (
-        4,
-        32,
-        32,
-    )
+    # one model, embedded unchanged: the same names and types in both services
+    shape = RolloutShape(eta=2, batch_groups=6, samples_per_prompt=4, max_tokens=32)
+    assert g.rollout_shape == t.rollout_shape == shape
+    assert t.algorithm.mini_batch_groups == 6
     assert g.tokenizer == t.model.hf_dir == Path("/models/policy")
     assert g.engines.urls == [ports.engine_url]
     weightsync_target = f"127.0.0.1:{ports.grpc['weightsync']}"
@@ -76,9 +74,17 @@ def test_own_settings_and_overrides_merge_over_the_wiring_in_that_order() -> Non
         ),
         ({"reward": {"grpc": {"port": 70000}}}, "services.reward.grpc.port: Input should be"),
         (
+            {"trainer": {"rollout_shape": {"eta": 3}}},
+            "services.trainer.rollout_shape.eta is 3 but the stack's rollout_shape.eta is 2; "
+            "change it there, for every service at once",
+        ),
+        (
             {"trainer": {"algorithm": {"eta": 3}}},
-            "services.trainer.algorithm.eta is 3 but the stack's rollout.eta is 2; change it "
-            "there, for every service at once",
+            "services.trainer.algorithm.eta: moved to rollout_shape.eta",
+        ),
+        (
+            {"gateway": {"rollout": {"max_response_tokens": 3}}},
+            "services.gateway.rollout.max_response_tokens: moved to rollout_shape.max_tokens",
         ),
         (
             {"gateway": {"tq": {"namespace": "other"}}},
@@ -102,8 +108,8 @@ def test_a_deployment_says_what_to_set_instead() -> None:
     with pytest.raises(StackError, match=r"set train\.eta instead"):
         StackConfig.compose(
             wiring(LocalPorts.placeholder()),
-            overrides={"gateway": {"rollout": {"eta": 5}}},
-            hints={"rollout.eta": "set train.eta instead"},
+            overrides={"gateway": {"rollout_shape": {"eta": 5}}},
+            hints={"rollout_shape.eta": "set train.eta instead"},
         )
 
 
@@ -124,9 +130,9 @@ def test_relayrl_up_checks_its_services_section_when_the_config_is_read() -> Non
     with pytest.raises(ValueError, match=r"services\.reward\.no_such_field: Extra inputs"):
         UpConfig.model_validate({"services": {"reward": {"no_such_field": 1}}})
     with pytest.raises(
-        ValueError, match=r"services\.trainer\.algorithm\.eta is 3 .* set train\.eta"
+        ValueError, match=r"services\.trainer\.rollout_shape\.eta is 3 .* set it in train:"
     ):
-        UpConfig.model_validate({"services": {"trainer": {"algorithm": {"eta": 3}}}})
+        UpConfig.model_validate({"services": {"trainer": {"rollout_shape": {"eta": 3}}}})
     config = UpConfig.model_validate(
         {"services": {"trainer": {"algorithm": {"dapo_filter": False}}}}
     )
@@ -137,7 +143,7 @@ def test_relayrl_up_runs_from_its_composition(tmp_path: Path) -> None:
     config = UpConfig.model_validate({"train": {"mode": "sync", "batch_groups": 3}})
     ports = LocalPorts.choose()
     stack = up_stack(config, tmp_path / "r-1", tmp_path / "m", tmp_path / "p.jsonl", ports)
-    assert (stack.gateway.rollout.eta, stack.trainer.algorithm.mode) == (0.0, "sync")
+    assert (stack.gateway.rollout_shape.eta, stack.trainer.algorithm.mode) == (0, "sync")
     assert stack.trainer.checkpoint.dir == tmp_path / "r-1" / "trainer" / "checkpoints"
     assert stack.trainer.data.run_id == "r-1"
     assert stack.weightsync.state_dir == tmp_path / "r-1" / "weightsync" / "state"

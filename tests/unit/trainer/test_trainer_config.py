@@ -24,7 +24,7 @@ def test_the_example_trainer_config_loads() -> None:
     config = load_config(TrainerConfig, EXAMPLE, "RELAYRL_TRAINER", {})
     assert config.algorithm.mode == "separate_async"
     assert config.algorithm.mini_batch_groups == 32
-    assert config.algorithm.staleness_threshold == 4
+    assert config.staleness_threshold == 4
     assert len(config.algorithm.loss.rejection) == 2
 
 
@@ -32,17 +32,25 @@ def test_the_example_trainer_config_loads() -> None:
     ("text", "match"),
     [
         (
-            "algorithm: {mode: separate_async, train_batch_groups: 7, parameter_sync_step: 2}",
-            "train_batch_groups \\(7\\) must equal parameter_sync_step \\(2\\)",
+            "{algorithm: {mode: separate_async, parameter_sync_step: 2}, "
+            "rollout_shape: {batch_groups: 7}}",
+            "rollout_shape.batch_groups \\(7\\) must equal algorithm.parameter_sync_step \\(2\\)",
         ),
         ("algorithm: {mode: turbo}", "algorithm.mode: Input should be 'sync'"),
         ("algorithm: {loss: {clipp: 1}}", "algorithm.loss.clipp: Extra inputs"),
-        ("algorithm: {eta: 2}", "eta must be 0 in sync mode"),
-        ("algorithm: {mode: colocate_async, eta: 2}", "eta must be 0 or 1 in colocate_async"),
+        ("rollout_shape: {eta: 2}", "rollout_shape.eta must be 0 in sync mode"),
         (
-            "algorithm: {mode: colocate_async, parameter_sync_step: 2, train_batch_groups: 8}",
+            "{algorithm: {mode: colocate_async}, rollout_shape: {eta: 2}}",
+            "eta must be 0 or 1 in colocate_async",
+        ),
+        (
+            "algorithm: {mode: colocate_async, parameter_sync_step: 2}",
             "parameter_sync_step must be 1 in colocate_async",
         ),
+        ("algorithm: {eta: 1}", "algorithm.eta: moved to rollout_shape.eta"),
+        ("algorithm: {train_batch_groups: 1}", "moved to rollout_shape.batch_groups"),
+        ("data: {samples_per_prompt: 2}", "moved to rollout_shape.samples_per_prompt"),
+        ("data: {max_tokens: 2}", "data.max_tokens: moved to rollout_shape.max_tokens"),
         ("optim: {lr: 0.001, min_lr: 0.01}", "min_lr"),
         ("publish: {type: s3}", "publish"),
         ("data: {run_id: 'has_underscore'}", "data.run_id"),
@@ -63,11 +71,8 @@ def test_bad_configs_fail_with_one_line(tmp_path: Path, text: str, match: str) -
 def test_mini_batch_is_derived_from_k() -> None:
     config = TrainerConfig.model_validate(
         {
-            "algorithm": {
-                "mode": "separate_async",
-                "train_batch_groups": 12,
-                "parameter_sync_step": 3,
-            }
+            "algorithm": {"mode": "separate_async", "parameter_sync_step": 3},
+            "rollout_shape": {"batch_groups": 12},
         }
     )
     assert config.algorithm.mini_batch_groups == 4

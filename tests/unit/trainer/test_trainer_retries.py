@@ -58,7 +58,8 @@ def leader(
     feeder = PromptFeeder(queue, records, template, curriculum)  # type: ignore[arg-type]
     config = SimpleNamespace(
         data=SimpleNamespace(partition="train", retry=curriculum.retry_settings),
-        algorithm=SimpleNamespace(dapo_filter=True, staleness_threshold=threshold),
+        algorithm=SimpleNamespace(dapo_filter=True),
+        staleness_threshold=threshold,
         outage_timeout_s=1.0,
     )
     return Leader(

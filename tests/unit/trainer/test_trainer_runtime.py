@@ -14,15 +14,15 @@ from relayrl.trainer.config import OptimizerConfig, TrainerConfig
 
 
 @pytest.mark.parametrize(
-    "algorithm",
+    ("algorithm", "eta"),
     [
-        {"mode": "sync"},
-        {"mode": "colocate_async", "eta": 1},
-        {"mode": "separate_async", "eta": 2, "parameter_sync_step": 2},
+        ({"mode": "sync"}, 0),
+        ({"mode": "colocate_async"}, 1),
+        ({"mode": "separate_async", "parameter_sync_step": 2}, 2),
     ],
 )
-def test_the_config_builds_its_mode(algorithm: dict) -> None:
-    config = TrainerConfig.model_validate({"algorithm": algorithm})
+def test_the_config_builds_its_mode(algorithm: dict, eta: int) -> None:
+    config = TrainerConfig.model_validate({"algorithm": algorithm, "rollout_shape": {"eta": eta}})
     mode = config.build_mode()
     assert mode.name == algorithm["mode"]
     assert config.build_mode() is not mode  # one per build: the run builds it once and shares it
