@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from relayrl.core.records import StepRecord, TransferRecord, read_records
+from relayrl.up.stack_state import ChildState, StackState
 from relayrl_testkit.helpers.up import deep_update
 
 FIXED = ("trainer_early", "redis", "engine", "weightsync", "trainer", "gateway+reward")
@@ -126,9 +127,9 @@ class UpRun:
             tail = "\n".join(self.output().splitlines()[-15:])
             raise ChaosError(f"relayrl up exited {self.process.returncode}:\n{tail}")
 
-    def children(self) -> dict[str, dict[str, Any]]:
-        path = self.run_dir / "stack.json"
-        return json.loads(path.read_text())["children"] if path.exists() else {}
+    def children(self) -> dict[str, ChildState]:
+        stack = StackState.read_if_any(self.run_dir)
+        return {} if stack is None else dict(stack.children)
 
     def step_records(self) -> list[StepRecord]:
         return read_records(self.run_dir / "trainer" / "steps.jsonl", StepRecord)
@@ -164,9 +165,9 @@ class UpRun:
                 self.process.kill()
         with contextlib.suppress(ChaosError):
             for child in self.children().values():
-                if child.get("pid"):
+                if child.pid:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(child["pid"], signal.SIGKILL)
+                        os.killpg(child.pid, signal.SIGKILL)
 
 
 def kill_group(pid: int) -> None:
@@ -175,7 +176,7 @@ def kill_group(pid: int) -> None:
 
 
 def engine_generating(run: UpRun) -> bool:
-    url = run.children()["engine-0"]["url"] + "/metrics"
+    url = f"{run.children()['engine-0'].url}/metrics"
     with NO_PROXY.open(url, timeout=2) as response:
         text = response.read().decode()
     match = re.search(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
@@ -188,7 +189,7 @@ def weightsync_transferring(run: UpRun) -> bool:
     from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
     from relayrl.up.secrets import operator_identity
 
-    target = run.children()["weightsync"]["target"]
+    target = str(run.children()["weightsync"].target)
     with sync_channel(target, operator_identity(run.run_dir), []) as channel:
         reply = weightsync_pb2_grpc.WeightSyncStub(channel).GetVersion(
             pb.GetVersionRequest(), timeout=2
@@ -223,15 +224,18 @@ def kill(run: UpRun, part: str, min_step: int) -> Kill:
     children = run.children()
     names = {"trainer_early": ["trainer"], "engine": ["engine-0"], "gateway+reward":
              ["gateway", "reward"]}.get(part, [part])  # fmt: skip
-    before = {name: children[name]["restarts"] for name in names}
+    before = {name: children[name].restarts for name in names}
     at = time.time()
     for name in names:
-        kill_group(children[name]["pid"])
+        pid = children[name].pid
+        if pid is None:
+            raise ChaosError(f"{name} has no process to kill (stack.json)")
+        kill_group(pid)
     record = Kill(part, run.steps_logged(), at, moment)
 
     def restarted() -> bool:
         now = run.children()
-        return all(now[name]["restarts"] > before[name] for name in names)
+        return all(now[name].restarts > before[name] for name in names)
 
     run.wait(restarted, f"{part} to be restarted", 600, poll_s=0.05)
     record.restarted_s = time.time() - at

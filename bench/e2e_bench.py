@@ -74,17 +74,16 @@ def cpus_of(pid: int) -> str:
 def watch_placement(placed: dict[str, str]):
     """A `run_up` watcher: records the CPUs each child of the stack is allowed, once the
     trainer runs (read from /proc, not from the config: what the kernel enforces)."""
-    import json
+    from relayrl.up.stack_state import StackState
 
     def watch(run_dir: Path) -> bool:
         try:
-            state = json.loads((run_dir / "stack.json").read_text())
-            children = state["children"]
-            if children.get("trainer", {}).get("pid") is None:
-                return False
-            for name, child in children.items():
-                placed[name] = cpus_of(child["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+            children = StackState.read(run_dir).children
+            pids = {name: child.pid for name, child in children.items()}
+            if pids.get("trainer") is None or None in pids.values():
+                return False  # not every child runs yet
+            placed.update({name: cpus_of(pid) for name, pid in pids.items() if pid is not None})
+        except (OSError, ValueError):
             return False
         return True
 

@@ -181,15 +181,17 @@ def _checked_workload(config):
 
 def _run_alive(run_dir: Path) -> bool:
     """Whether a run's `relayrl up` still holds its children (its trainer PID is alive)."""
-    import json
     import os
 
+    from relayrl.up.stack_state import StackState
+
     try:
-        stack = json.loads((run_dir / "stack.json").read_text())
-        pid = stack["children"]["trainer"]["pid"]
+        pid = StackState.read(run_dir).pid("trainer")
+        if pid is None:
+            return False
         os.kill(pid, 0)
         return True
-    except (OSError, KeyError, TypeError, ValueError):
+    except (OSError, ValueError):
         return False
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relayrl.up.hosts import HostNetwork, missing_for_hosts
+from relayrl.up.stack_state import StackState
 
 Kind = Literal["partition", "refuse", "half_open", "half_open_restart", "slow"]
 Direction = Literal["both", "a_to_b", "b_to_a"]
@@ -76,10 +77,10 @@ def end_of(network: HostNetwork, name: str) -> End:
 
 def network_of_run(run_dir: Path) -> HostNetwork:
     """The hosts of a run of `relayrl up` with `hosts.isolate`, as its stack.json has them."""
-    state = json.loads((run_dir / "stack.json").read_text())
-    if "hosts" not in state:
+    hosts = StackState.read(run_dir).hosts
+    if hosts is None:
         raise ValueError(f"{run_dir} was not run with hosts.isolate")
-    return HostNetwork.from_state(state["hosts"])
+    return HostNetwork.from_state(hosts)
 
 
 @dataclass

@@ -55,7 +55,7 @@ def render_chart(tools: Any) -> list[dict[str, Any]]:
 def local_targets(objects: list[dict[str, Any]], run_dir: Path) -> list[LocalTarget]:
     """Each component's Services (the ServiceMonitors select among them), every port pointed
     at the run's process for that component."""
-    children = stack_state(run_dir)["children"]
+    children = stack_state(run_dir).children
     targets = []
     for service in objects:
         labels = service["metadata"].get("labels", {})
@@ -63,9 +63,9 @@ def local_targets(objects: list[dict[str, Any]], run_dir: Path) -> list[LocalTar
         if service["kind"] != "Service" or component not in COMPONENTS:
             continue
         if component == "engine":
-            url = children["engine-0"]["url"]
+            url = str(children["engine-0"].url)
         else:
-            url = children[component]["metrics"].removesuffix("/metrics")
+            url = str(children[component].metrics).removesuffix("/metrics")
         address = url.removeprefix("http://")
         ports = {port["name"]: address for port in service["spec"]["ports"]}
         targets.append(LocalTarget(service, f"{service['metadata']['name']}-0", ports))

@@ -32,10 +32,11 @@ import os
 import shutil
 import subprocess
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from relayrl.up.stack_state import HostsState, PartHost
 
 NETNS_DIR = Path("/run/netns")
 """Where `ip netns` keeps a named namespace (a bind mount of its nsfs file)."""
@@ -201,29 +202,29 @@ class HostNetwork:
         )
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> HostNetwork:
+    def from_state(cls, state: HostsState) -> HostNetwork:
         """The network another process made, from its `state()` (it is not this one's to
         remove: `remove()` does nothing)."""
         hosts = {
-            part: Host(part, host["netns"], host["address"], host["veth"])
-            for part, host in state["parts"].items()
+            part: Host(part, host.netns, host.address, host.veth)
+            for part, host in state.parts.items()
         }
-        network = cls(state["tag"], ipaddress.IPv4Network(state["subnet"]), hosts)
-        assert network.bridge == state["bridge"], state
+        network = cls(state.tag, ipaddress.IPv4Network(state.subnet), hosts)
+        assert network.bridge == state.bridge, state
         return network
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> HostsState:
         """As stack.json records it (what a test kit needs to reach each host)."""
-        return {
-            "tag": self.tag,
-            "subnet": str(self.subnet),
-            "bridge": self.bridge,
-            "bridge_address": self.bridge_address,
-            "parts": {
-                part: {"netns": host.netns, "address": host.address, "veth": host.veth}
+        return HostsState(
+            tag=self.tag,
+            subnet=str(self.subnet),
+            bridge=self.bridge,
+            bridge_address=self.bridge_address,
+            parts={
+                part: PartHost(netns=host.netns, address=host.address, veth=host.veth)
                 for part, host in self.hosts.items()
             },
-        }
+        )
 
 
 def bridge_address(subnet: ipaddress.IPv4Network) -> ipaddress.IPv4Address:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -74,14 +74,22 @@ class RunState(BaseModel):
     def read(cls, run_dir: Path) -> RunState:
         """The run's state; FileNotFoundError when it has none, RunStateError when what is
         there is not one."""
-        path = run_dir / RUN_FILE
-        text = path.read_text(encoding="utf-8", errors="replace")
-        try:
-            return cls.model_validate(json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise RunStateError(f"{path}: {exc}") from None
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top)"
-            count = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-            raise RunStateError(f"{path}: {where}: {first['msg']}{count}") from None
+        return read_model(run_dir / RUN_FILE, cls, RunStateError)
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def read_model(path: Path, model: type[ModelT], error: type[ValueError]) -> ModelT:
+    """The JSON object at `path` as `model`; FileNotFoundError when there is none, `error`
+    with the path, the first bad field and what is wrong when it is not one."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        return model.model_validate(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}: {exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top)"
+        count = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise error(f"{path}: {where}: {first['msg']}{count}") from None

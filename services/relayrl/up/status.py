@@ -12,14 +12,13 @@ the TransferQueue's counts); what does not answer says so instead of failing the
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from relayrl.up.run_state import ENDED, RUN_FILE, RunState
+from relayrl.up.stack_state import StackState
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -78,30 +77,28 @@ def status_lines(run_dir: Path) -> list[str]:
         f"run {run.run_id} ({run.task}, {run.mode}, eta {run.eta}, {run.steps} steps): "
         f"{run.state}, started {_ago(run.started)} ago"
     ]
-    stack_file = run_dir / "stack.json"
-    if not stack_file.exists() or run.state in ENDED:
+    stack = StackState.read_if_any(run_dir)
+    if stack is None or run.state in ENDED:
         lines.append(f"stack: not running ({run.state})")
         lines += _eval_lines(run_dir)
         return lines
-    stack = json.loads(stack_file.read_text())
-    stack["redis_url"] = with_redis_password(stack["redis_url"], run_dir)
-    children: dict[str, Any] = stack["children"]
+    redis_url = with_redis_password(stack.redis_url, run_dir)
     health = []
-    for name, child in children.items():
-        restarts = f", {child['restarts']} restarts" if child.get("restarts") else ""
+    for name, child in stack.children.items():
+        restarts = f", {child.restarts} restarts" if child.restarts else ""
         if name == "redis":
-            state = _redis_ok(stack["redis_url"])
-        elif name.startswith("engine-"):
-            state = _http_ok(child["url"])
+            state = _redis_ok(redis_url)
+        elif child.url is not None:  # an engine
+            state = _http_ok(child.url)
         else:
-            state = _health(child["target"])
+            state = _health(str(child.target))
             if name == "trainer":
-                extra = _trainer_status(child["target"], run_dir)
+                extra = _trainer_status(str(child.target), run_dir)
                 state += f" ({extra})" if extra else ""
-        health.append(f"{name} {state} (pid {child.get('pid')}{restarts})")
+        health.append(f"{name} {state} (pid {child.pid}{restarts})")
     lines.append("services: " + "; ".join(health))
-    ws = children.get("weightsync")
-    versions = replica_versions(ws["target"], run_dir) if ws else None
+    ws = stack.children.get("weightsync")
+    versions = replica_versions(str(ws.target), run_dir) if ws else None
     if versions is None:
         lines.append("weights:  weight-sync does not answer")
     else:
@@ -112,7 +109,7 @@ def status_lines(run_dir: Path) -> list[str]:
                 for rid, (v, live) in versions.items()
             )
         )
-    lines += _queue_lines(stack)
+    lines += _queue_lines(stack, redis_url)
     lines += _eval_lines(run_dir)
     return lines
 
@@ -129,7 +126,7 @@ def _redis_ok(url: str) -> str:
         return f"down ({exc})"
 
 
-def _queue_lines(stack: dict[str, Any]) -> list[str]:
+def _queue_lines(stack: StackState, redis_url: str) -> list[str]:
     import redis
 
     from relayrl.tq import TQConfig, TransferQueue
@@ -137,14 +134,14 @@ def _queue_lines(stack: dict[str, Any]) -> list[str]:
     try:
         tq = TransferQueue.from_config(
             TQConfig(
-                url=stack["redis_url"],
-                namespace=stack["namespace"],
+                url=redis_url,
+                namespace=stack.namespace,
                 partitions=[],
                 socket_timeout_s=HEALTH_TIMEOUT_S,
                 connect_timeout_s=HEALTH_TIMEOUT_S,
             )
         )
-        counts = tq.counts(stack["partition"])
+        counts = tq.counts(stack.partition)
         tq.close()
     except (redis.RedisError, Exception) as exc:
         return [f"queue:    unavailable ({exc})"]

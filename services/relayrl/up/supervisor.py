@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from relayrl.core.atomic import atomic_write_bytes, atomic_write_text
+from relayrl.core.atomic import atomic_write_bytes
 from relayrl.core.service_process import ServiceProcess
 from relayrl.core.supervised import Supervised
 from relayrl.engine.config import EngineConfig
@@ -57,6 +57,7 @@ from relayrl.up.secrets import (
     redis_password,
     run_identities,
 )
+from relayrl.up.stack_state import ChildState, StackState
 from relayrl.up.wiring import NAMESPACE, PARTITION, up_stack
 
 logger = logging.getLogger(__name__)
@@ -266,15 +267,15 @@ class Supervisor:
     def engines(self) -> dict[str, EngineProcess]:
         return {n: c for n, c in self.children.items() if isinstance(c, EngineProcess)}
 
-    def describe(self, name: str) -> dict[str, Any]:
+    def describe(self, name: str) -> ChildState:
         """`name` as stack.json shows it."""
         host = self.network.host(name) if self.network is not None else None
-        return {
-            "pid": self.children[name].pid,
-            "restarts": self.restarts[name],
+        return ChildState(
+            pid=self.children[name].pid,
+            restarts=self.restarts[name],
+            netns=None if host is None else host.netns,
             **self.specs[name].shown,
-            **({"netns": host.netns} if host is not None else {}),
-        }
+        )
 
     def start(self, names: tuple[str, ...] = ORDER, say: Callable[[str], None] = print) -> None:
         """Starts `names` in order, each ready before the next, and writes stack.json; a child
@@ -394,17 +395,15 @@ class Supervisor:
         )
 
     def write_state(self) -> None:
-        state = {
-            "redis_url": self.redis_url,
-            "namespace": NAMESPACE,
-            "partition": PARTITION,
-            "engines": [self.engine_url],
-            "children": {name: self.describe(name) for name in self.children},
-            "written": time.time(),
-        }
-        if self.network is not None:
-            state["hosts"] = self.network.state()
-        atomic_write_text(self.run_dir / "stack.json", json.dumps(state, indent=2))
+        StackState(
+            redis_url=self.redis_url,
+            namespace=NAMESPACE,
+            partition=PARTITION,
+            engines=[self.engine_url],
+            children={name: self.describe(name) for name in self.children},
+            written=time.time(),
+            hosts=None if self.network is None else self.network.state(),
+        ).write(self.run_dir)
 
     def _record(self, event: Event) -> None:
         with self._lock:

@@ -10,7 +10,6 @@ PERMISSION_DENIED."""
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from relayrl.core.access import ACCESS
 from relayrl.core.interceptors import ANY_PRINCIPAL, AUTHORIZATION_KEY
+from relayrl.up.stack_state import StackState
 
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -161,13 +161,13 @@ def knock_on_run(run_dir: Path) -> TrustReport:
     and `knock_on_engine` on its engines."""
     from relayrl.up.secrets import PRINCIPALS, token_path
 
-    children = json.loads((run_dir / "stack.json").read_text())["children"]
-    targets = {name: children[name]["target"] for name in ACCESS}
+    children = StackState.read(run_dir).children
+    targets = {name: str(children[name].target) for name in ACCESS}
     tokens = {p: token_path(run_dir, p).read_text().strip() for p in PRINCIPALS}
     report = knock_everywhere(targets, tokens)
     for name, child in children.items():
         if name.startswith("engine-"):
-            report.knocks += knock_on_engine(child["url"], tokens).knocks
+            report.knocks += knock_on_engine(str(child.url), tokens).knocks
     return report
 
 

@@ -27,6 +27,7 @@ from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
 from relayrl.tq.server import RedisServer
 from relayrl.up.run_state import RunState
+from relayrl.up.stack_state import StackState
 from relayrl_testkit import REPO
 
 NAMESPACE, PARTITION = "relayrl", "train"
@@ -214,22 +215,19 @@ def _setup_done_in(copy: Path) -> None:
         generated.touch()  # `make protos` built it from these very sources
 
 
-def stack_state(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "stack.json").read_text())
-
-
-def _stack_children(run_dir: Path) -> dict[str, dict]:
-    path = run_dir / "stack.json"
-    return json.loads(path.read_text())["children"] if path.exists() else {}
+def stack_state(run_dir: Path) -> StackState:
+    return StackState.read(run_dir)
 
 
 def stack_pids(run_dir: Path) -> list[int]:
-    return [c["pid"] for c in _stack_children(run_dir).values() if c.get("pid")]
+    stack = StackState.read_if_any(run_dir)
+    return [] if stack is None else stack.pids()
 
 
 def stack_pid(run_dir: Path, child: str) -> int | None:
     """The PID the stack recorded for `child` (`trainer`, `engine-0`, ...), if it has one."""
-    return _stack_children(run_dir).get(child, {}).get("pid") or None
+    stack = StackState.read_if_any(run_dir)
+    return None if stack is None else stack.pid(child)
 
 
 def kill_group(pid: int) -> None:
@@ -272,7 +270,7 @@ def _control_trainer(run_dir: Path, action: str) -> None:
     from relayrl.proto.trainer.v1 import trainer_pb2, trainer_pb2_grpc
     from relayrl.up.secrets import operator_identity
 
-    target = stack_state(run_dir)["children"]["trainer"]["target"]
+    target = str(stack_state(run_dir).children["trainer"].target)
     with sync_channel(target, operator_identity(run_dir), []) as channel:
         trainer_pb2_grpc.TrainerStub(channel).Control(
             trainer_pb2.ControlRequest(action=trainer_pb2.ControlAction.Value(action)),
@@ -453,4 +451,4 @@ def check_short_run(run_dir: Path, mode: str, steps: int) -> None:
     assert RunState.read(run_dir).state == "completed"
     # shutdown left nothing behind
     assert processes_of(run_dir) == []
-    assert all(c["restarts"] == 0 for c in stack_state(run_dir)["children"].values())
+    assert all(c.restarts == 0 for c in stack_state(run_dir).children.values())

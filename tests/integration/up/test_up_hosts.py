@@ -99,23 +99,24 @@ def netns_inode(path: str | Path) -> int:
 @pytest.mark.timeout(900)
 def test_each_child_runs_in_its_own_namespace_at_its_own_address(hosts_run: HostsRun) -> None:
     state = stack_state(hosts_run.run_dir)
-    parts, children = state["hosts"]["parts"], state["children"]
+    assert state.hosts is not None
+    parts, children = state.hosts.parts, state.children
     assert set(children) == set(CHILDREN)
     own = netns_inode("/proc/self/ns/net")
     seen = {}
     for name, child in children.items():
-        netns = parts[name]["netns"]
-        assert child["netns"] == netns and netns.startswith(f"{hosts_run.tag}-")
-        seen[name] = netns_inode(f"/proc/{child['pid']}/ns/net")
+        netns = parts[name].netns
+        assert child.netns == netns and netns.startswith(f"{hosts_run.tag}-")
+        seen[name] = netns_inode(f"/proc/{child.pid}/ns/net")
         assert seen[name] == netns_inode(Path("/run/netns") / netns), name
     assert own not in seen.values() and len(set(seen.values())) == len(CHILDREN), seen
     # every part is dialled at its own address, and at none on this host's loopback
-    address = {name: parts[name]["address"] for name in parts}
-    assert state["redis_url"].startswith(f"redis://{address['redis']}:")
-    assert state["engines"] == [children["engine-0"]["url"]]
-    assert children["engine-0"]["url"].startswith(f"http://{address['engine-0']}:")
+    address = {name: parts[name].address for name in parts}
+    assert state.redis_url.startswith(f"redis://{address['redis']}:")
+    assert state.engines == [children["engine-0"].url]
+    assert str(children["engine-0"].url).startswith(f"http://{address['engine-0']}:")
     for name in ("reward", "gateway", "weightsync", "trainer"):
-        host, port = children[name]["target"].rsplit(":", 1)
+        host, port = str(children[name].target).rsplit(":", 1)
         assert host == address[name], (name, children[name])
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()

@@ -5,7 +5,6 @@ is final, and `stop()` stops what runs, the trainer first and Redis last."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -21,6 +20,7 @@ from relayrl.stack.local import LocalPorts
 from relayrl.tq.server import RedisServer
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import RunFiles
+from relayrl.up.stack_state import ChildState, StackState
 from relayrl.up.supervisor import REDIS, SERVICE, SERVICE_SPECS, Supervisor
 
 # Serves until `<workdir>/exit` holds an exit code.
@@ -74,9 +74,9 @@ def test_crashed_children_come_back_the_trainers_exit_0_is_final_and_stop_goes_i
     reward, trainer = services["reward"], services["trainer"]
     lines: list[str] = []
     stack.start(("redis", "reward", "trainer"), say=lines.append)
-    state = json.loads((run_dir / "stack.json").read_text())["children"]
-    assert state["redis"] == {"pid": redis.pid, "restarts": 0, "url": redis.url}
-    assert state["trainer"]["pid"] == trainer.pid
+    state = StackState.read(run_dir).children
+    assert state["redis"] == ChildState(pid=redis.pid, restarts=0, url=redis.url)
+    assert state["trainer"].pid == trainer.pid
 
     def events() -> list[tuple[str, str]]:
         return [(e.child, e.kind) for e in stack.events]
@@ -100,8 +100,8 @@ def test_crashed_children_come_back_the_trainers_exit_0_is_final_and_stop_goes_i
         assert ("trainer", "exited") not in events() and not trainer.alive()
         assert not stack.failed
         assert stack.restarts == {"redis": 1, "reward": 1}
-        state = json.loads((run_dir / "stack.json").read_text())["children"]
-        assert state["reward"]["restarts"] == 1 and state["reward"]["pid"] == reward.pid
+        state = StackState.read(run_dir).children
+        assert state["reward"].restarts == 1 and state["reward"].pid == reward.pid
     finally:
         pids = [p for p in (redis.pid, reward.pid, trainer.pid) if p is not None]
         stack.stop(say=lines.append)
@@ -110,5 +110,5 @@ def test_crashed_children_come_back_the_trainers_exit_0_is_final_and_stop_goes_i
         ("redis", "stopped"),
     ]
     assert not any(psutil.pid_exists(pid) for pid in pids)
-    state = json.loads((run_dir / "stack.json").read_text())["children"]
-    assert state["redis"]["pid"] is None and state["redis"]["restarts"] == 1
+    state = StackState.read(run_dir).children
+    assert state["redis"].pid is None and state["redis"].restarts == 1

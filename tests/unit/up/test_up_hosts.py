@@ -21,6 +21,7 @@ from relayrl.up import hosts
 from relayrl.up.config import UpConfig
 from relayrl.up.hosts import IFNAMSIZ, HostNetwork, free_subnet, tag_of
 from relayrl.up.prepare import RunFiles
+from relayrl.up.stack_state import StackState
 from relayrl.up.supervisor import Supervisor
 
 AGENT = ["python3", "agent.py"]
@@ -94,7 +95,7 @@ def test_without_hosts_every_part_is_on_loopback_as_before(tmp_path: Path) -> No
         expected[f"{name}.tq"] = f"redis://127.0.0.1:{p.redis}/0"
     assert found == expected
     stack.write_state()
-    assert "hosts" not in yaml.safe_load((stack.run_dir / "stack.json").read_text())
+    assert StackState.read(stack.run_dir).hosts is None
 
 
 def test_with_hosts_each_part_binds_and_is_dialled_at_its_own_address(tmp_path: Path) -> None:
@@ -127,9 +128,9 @@ def test_with_hosts_each_part_binds_and_is_dialled_at_its_own_address(tmp_path: 
         "--",
     ]
     stack.write_state()
-    state = yaml.safe_load((stack.run_dir / "stack.json").read_text())
-    assert state["hosts"]["parts"]["gateway"]["address"] == at["gateway"]
-    assert state["children"]["gateway"]["netns"] == network.hosts["gateway"].netns
+    state = StackState.read(stack.run_dir)
+    assert state.hosts is not None and state.hosts.parts["gateway"].address == at["gateway"]
+    assert state.children["gateway"].netns == network.hosts["gateway"].netns
     line = network.describe()
     assert line.startswith("hosts: redis ") and all(a in line for a in addresses.values())
 

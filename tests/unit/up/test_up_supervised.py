@@ -5,7 +5,6 @@ branch on a child's name. Nothing is started here: the children are built, or st
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from relayrl.tq.server import RedisServer
 from relayrl.trainer.progress import EXIT_NO_PROGRESS
 from relayrl.up.config import UpConfig
 from relayrl.up.prepare import RunFiles
+from relayrl.up.stack_state import ChildState, StackState
 from relayrl.up.supervisor import ORDER, ChildSpec, Supervisor
 
 
@@ -84,15 +84,12 @@ def test_the_stack_holds_the_process_classes_and_each_childs_data(tmp_path: Path
     assert list(stack.engines()) == ["engine-0"]
 
     stack.write_state()
-    shown = json.loads((stack.run_dir / "stack.json").read_text())["children"]
-    assert shown["redis"] == {"pid": None, "restarts": 0, "url": stack.redis_url}
-    assert shown["engine-0"] == {"pid": None, "restarts": 0, "url": stack.engine_url}
-    assert shown["trainer"] == {
-        "pid": None,
-        "restarts": 0,
-        "target": stack.target("trainer"),
-        "metrics": stack.metrics_url("trainer"),
-    }
+    shown = StackState.read(stack.run_dir).children
+    assert shown["redis"] == ChildState(pid=None, url=stack.redis_url)
+    assert shown["engine-0"] == ChildState(pid=None, url=stack.engine_url)
+    assert shown["trainer"] == ChildState(
+        pid=None, target=stack.target("trainer"), metrics=stack.metrics_url("trainer")
+    )
 
 
 class StandIn:
@@ -165,8 +162,8 @@ def test_whether_an_exit_ends_a_child_is_its_data_not_its_name(tmp_path: Path) -
         ("trainer", "exited"),
         ("trainer", "gave_up"),
     ]
-    shown = json.loads((stack.run_dir / "stack.json").read_text())["children"]
-    assert shown["trainer"] == {"pid": 1002, "restarts": 1}
+    shown = StackState.read(stack.run_dir).children
+    assert shown["trainer"].pid == 1002 and shown["trainer"].restarts == 1
 
     stack.stop(say=lines.append)
     assert stops == [("trainer", 5.0), ("reward", 7.0), ("redis", 10.0)]  # the trainer first
