@@ -306,11 +306,11 @@ def main() -> None:
     trained_tokens = sum(s.trained_tokens or 0.0 for s in steps)
     trainer_rate = trained_tokens / trainer_s
     sync_s = statistics.median(phases["sync"])
-    mean_len = statistics.fmean(n for s in steps for n in s["row_tokens"])
+    mean_len = statistics.fmean(n for s in steps for n in s.row_tokens)
 
     print()
     print(f"SmolLM2-135M-Instruct on word problems, {state.mode}, steps "
-          f"2..{len(steps) + 1}: {statistics.fmean(len(s['row_tokens']) for s in steps):.1f} "
+          f"2..{len(steps) + 1}: {statistics.fmean(len(s.row_tokens) for s in steps):.1f} "
           f"rows of {mean_len:.0f} tokens (prompt + response) per step")  # fmt: skip
     print(f"{'phase':<28}{'relayrl s':>10}{'torch s':>10}{'ratio':>8}")
     ref = {k: sum(r[k] for r in reference) for k in reference[0]}
