@@ -5,7 +5,6 @@ step log, weight-sync's transfer log, the metrics snapshots, and the process tab
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -21,7 +20,7 @@ from typing import Any
 import psutil
 import yaml
 
-from relayrl.core.records import StepRecord, read_records
+from relayrl.core.records import EvalRecord, StepRecord, TransferRecord, read_records
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.tq import TransferQueue
 from relayrl.tq.model import GroupStatus
@@ -412,15 +411,11 @@ def check_short_run(run_dir: Path, mode: str, steps: int) -> None:
     report was written and nothing is left running."""
     # weight versions advanced on the engine: every step committed, in order, and the final
     # evaluation found the engine at the last version
-    transfers = [
-        json.loads(x) for x in (run_dir / "weightsync/transfers.jsonl").read_text().splitlines()
-    ]
-    assert [t["version"] for t in transfers if t["state"] == "committed"] == list(
-        range(1, steps + 1)
-    )
-    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert evals[0]["kind"] == "warm_start" and evals[0]["version"] == 0
-    assert evals[-1]["kind"] == "final" and evals[-1]["version"] == steps
+    transfers = read_records(run_dir / "weightsync/transfers.jsonl", TransferRecord)
+    assert [t.version for t in transfers if t.state == "committed"] == list(range(1, steps + 1))
+    evals = read_records(run_dir / "eval.jsonl", EvalRecord)
+    assert evals[0].kind == "warm_start" and evals[0].version == 0
+    assert evals[-1].kind == "final" and evals[-1].version == steps
 
     # the queue: every trained group consumed exactly once, at its step; nothing infra
     records = steps_logged(run_dir)

@@ -5,11 +5,11 @@ within the 15 minutes the default run is sized for, warm start included. A full 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from relayrl.core.records import EvalRecord, read_records
 from relayrl.up.run_state import RunState
 from relayrl_testkit.helpers.up import UpProcess, processes_of
 
@@ -27,13 +27,14 @@ def test_the_default_run_gains_15_points_of_heldout_accuracy(tmp_path: Path) -> 
         run_dir = up.run_dir
     finally:
         up.stop()
-    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    warm = next(e for e in evals if e["kind"] == "warm_start")
-    final = next(e for e in evals if e["kind"] == "final")
-    gain = (final["accuracy"] - warm["accuracy"]) * 100
-    print(f"held-out accuracy {warm['accuracy']:.1%} -> {final['accuracy']:.1%} ({gain:+.1f})")
+    evals = read_records(run_dir / "eval.jsonl", EvalRecord)
+    warm = next(e for e in evals if e.kind == "warm_start")
+    final = next(e for e in evals if e.kind == "final")
+    assert warm.accuracy is not None and final.accuracy is not None, evals
+    gain = (final.accuracy - warm.accuracy) * 100
+    print(f"held-out accuracy {warm.accuracy:.1%} -> {final.accuracy:.1%} ({gain:+.1f})")
     assert gain >= MIN_GAIN_POINTS, up.output()
-    assert final["accuracy"] >= MIN_FINAL_ACCURACY, up.output()
+    assert final.accuracy >= MIN_FINAL_ACCURACY, up.output()
     state = RunState.read(run_dir)
     assert state.duration_s is not None and state.duration_s <= BUDGET_S, state
     assert processes_of(run_dir) == []

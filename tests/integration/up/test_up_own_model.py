@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from relayrl.core.records import EvalRecord, TransferRecord, read_records
 from relayrl.up.run_state import RunState
 from relayrl_testkit.helpers import cli
 from relayrl_testkit.helpers.real_model import smollm2_dir
@@ -89,17 +90,14 @@ def check_run(run_dir: Path, output: str, label: str, steps: int, heldout: int) 
     every trained group consumed exactly once, nothing left running."""
     assert f"trained {label} for {steps} step{'s' * (steps != 1)}" in output, output
     assert "Traceback" not in output
-    transfers = [
-        json.loads(line)
-        for line in (run_dir / "weightsync" / "transfers.jsonl").read_text().splitlines()
-    ]
-    committed = [t["version"] for t in transfers if t["state"] == "committed"]
+    transfers = read_records(run_dir / "weightsync" / "transfers.jsonl", TransferRecord)
+    committed = [t.version for t in transfers if t.state == "committed"]
     assert committed == list(range(1, steps + 1)), transfers
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    evals = read_records(run_dir / "eval.jsonl", EvalRecord)
     kinds = ["warm_start", "first_update", "final"] if steps > 1 else ["warm_start", "final"]
-    assert [e["kind"] for e in evals] == kinds, evals
-    assert all(e["n"] == heldout for e in evals)
-    assert evals[-1]["version"] == steps
+    assert [e.kind for e in evals] == kinds, evals
+    assert all(e.n == heldout for e in evals)
+    assert evals[-1].version == steps
     assert (run_dir / "report.html").stat().st_size > 0
     assert {r.step for r in steps_logged(run_dir)} == set(range(steps))  # 0-based
     audit = audit_queue(run_dir)
