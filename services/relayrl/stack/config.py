@@ -202,7 +202,9 @@ class Wiring(StrictModel):
             "tq": self.tq,
             "tokenizer": self.model_path,
             "engines": EnginesConfig(
-                urls=engines.urls, **_set(engines, "kubernetes"), **self._as("gateway")
+                urls=engines.urls,
+                **({"kubernetes": engines.kubernetes} if engines.kubernetes else {}),
+                **self._as("gateway"),
             ),
             "rollout": RolloutConfig(partitions=[self.partition]),
             "rollout_shape": self.rollout_shape,
@@ -245,11 +247,6 @@ _DERIVE: dict[str, Callable[[Wiring], Sections]] = {
     "weightsync": Wiring._weightsync,
     "trainer": Wiring._trainer,
 }
-
-
-def _set(model: BaseModel, *names: str) -> dict[str, Any]:
-    """Those of `names` that `model` was given (not left to their defaults)."""
-    return {name: getattr(model, name) for name in names if name in model.model_fields_set}
 
 
 def as_file(sections: Sections) -> dict[str, Any]:

@@ -211,12 +211,6 @@ class AlgorithmConfig(StrictModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
 
-    def staleness_threshold(self, eta: int) -> int:
-        """The replay gate's bound: staleness.threshold, else the mode's own at `eta`."""
-        return self.staleness.threshold or default_staleness_bound(
-            self.mode, eta, self.parameter_sync_step
-        )
-
     def build_mode(self) -> TrainerMode:
         """The strategy object of `mode`, from the one table in `relayrl.trainer.modes`."""
         from relayrl.trainer.modes import mode_for
@@ -475,7 +469,11 @@ class TrainerConfig(ServiceConfig):
 
     @property
     def staleness_threshold(self) -> int:
-        return self.algorithm.staleness_threshold(self.rollout_shape.eta)
+        """The replay gate's bound: algorithm.staleness.threshold, else the mode's own."""
+        a = self.algorithm
+        return a.staleness.threshold or default_staleness_bound(
+            a.mode, self.rollout_shape.eta, a.parameter_sync_step
+        )
 
     def build_mode(self) -> TrainerMode:
         return self.algorithm.build_mode()
