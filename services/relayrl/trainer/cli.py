@@ -61,7 +61,13 @@ def _sft_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--target-accuracy",
         type=float,
-        help="stop after the first epoch whose --eval-data accuracy reaches this (0..1)",
+        help="stop at the first check whose --eval-data accuracy reaches this (0..1)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="also check the --eval-data accuracy every this many updates (0: per epoch)",
     )
     return parser
 
@@ -73,8 +79,9 @@ def sft_main(argv: Sequence[str]) -> int:
         for name in ("epochs", "batch_size", "micro_batch_size", "max_seq_len")
         if getattr(args, name) < 1
     ]
-    if args.warmup_updates < 0:
-        problems.append("--warmup-updates must be >= 0")
+    for name in ("warmup_updates", "eval_every"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0")
     if not 0 <= args.min_lr <= args.lr:
         problems.append("--min-lr must be between 0 and --lr")
     if args.lr <= 0:
@@ -121,6 +128,7 @@ def sft_main(argv: Sequence[str]) -> int:
         seed=args.seed,
         eval_data=args.eval_data,
         target_accuracy=args.target_accuracy,
+        eval_every=args.eval_every,
     )
     try:
         result = run_sft(settings)

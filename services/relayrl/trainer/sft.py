@@ -49,7 +49,11 @@ class SftConfig:
     """Held-aside examples (same format): after each epoch, the expected exact-match accuracy
     of a sample at temperature 1 on them (the mean of exp(sum of the answer's log-probs))."""
     target_accuracy: float | None = None
-    """Stop after the first epoch whose eval accuracy reaches this (needs eval_data)."""
+    """Stop at the first check whose eval accuracy reaches this (needs eval_data)."""
+    eval_every: int = 0
+    """Also check the eval accuracy every this many updates, counted over the whole run (0: at
+    the end of each epoch only). A tiny model's accuracy can jump from well under the target
+    to well over it within one epoch; checks inside the epoch stop it near the target."""
 
 
 @dataclass
@@ -174,7 +178,18 @@ def run_sft(settings: SftConfig) -> dict[str, float]:
     rng = random.Random(settings.seed)
     epoch_losses = []
     eval_accuracy = 0.0
+    updates = 0
+    stop = False
     start = time.perf_counter()
+
+    def check(where: str) -> bool:
+        """Measures the eval accuracy; True when it reaches the target."""
+        nonlocal eval_accuracy
+        eval_accuracy = sampled_accuracy(model, held_aside, settings.micro_batch_size)
+        lr = optimizer.param_groups[0]["lr"]
+        logger.info("sft %s: eval accuracy %.4f, lr %.3g", where, eval_accuracy, lr)
+        return settings.target_accuracy is not None and eval_accuracy >= settings.target_accuracy
+
     for epoch in range(settings.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
@@ -192,22 +207,34 @@ def run_sft(settings: SftConfig) -> dict[str, float]:
             )
             optimizer_step(optimizer)
             scheduler.step(increment=1)
+            updates += 1
             losses.append(sum(nll_sums) / float(mask.sum()))
+            inside_epoch = first + settings.batch_size < len(order)  # its end checks below
+            due = held_aside and settings.eval_every and updates % settings.eval_every == 0
+            if due and inside_epoch and check(f"update {updates} (epoch {epoch + 1})"):
+                stop = True
+                break
         epoch_losses.append(float(np.mean(losses)))
         accuracy = ""
         if held_aside:
-            eval_accuracy = sampled_accuracy(model, held_aside, settings.micro_batch_size)
+            stop = stop or check(f"update {updates} (end of epoch {epoch + 1})")
             accuracy = f", eval accuracy {eval_accuracy:.4f}"
         lr = optimizer.param_groups[0]["lr"]
         logger.info("sft epoch %d: loss %.4f%s, lr %.3g", epoch + 1, epoch_losses[-1], accuracy, lr)
-        if settings.target_accuracy is not None and eval_accuracy >= settings.target_accuracy:
-            logger.info("sft: eval accuracy reached %.4f: stopping", settings.target_accuracy)
+        if stop:
+            logger.info(
+                "sft: eval accuracy %.4f reached the target %.4f at update %d: stopping",
+                eval_accuracy,
+                settings.target_accuracy,
+                updates,
+            )
             break
     save_hf_dir(model, spec, settings.out, tokenizer_from=settings.model)
     result = {
         "first_epoch_loss": epoch_losses[0],
         "last_epoch_loss": epoch_losses[-1],
         "epochs": float(len(epoch_losses)),
+        "updates": float(updates),
         "examples": float(len(examples)),
         "duration_s": time.perf_counter() - start,
         "perplexity": math.exp(min(epoch_losses[-1], 50.0)),

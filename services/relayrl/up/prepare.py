@@ -104,6 +104,7 @@ def _held_aside(task: Task, sft: list[dict[str, Any]], n: int, seed: int) -> lis
 
 
 _EPOCH_LINE = re.compile(r"sft epoch (\d+): loss ([0-9.]+)(?:, eval accuracy ([0-9.]+))?")
+_STOP_LINE = re.compile(r"sft: eval accuracy ([0-9.]+) reached the target [0-9.]+ at update (\d+)")
 
 
 def _wait_reporting_epochs(
@@ -113,7 +114,8 @@ def _wait_reporting_epochs(
     started: float,
     say: Callable[[str], None],
 ) -> int:
-    """Waits for the SFT process, saying each epoch's loss as its log reports it."""
+    """Waits for the SFT process, saying each epoch's loss as its log reports it, and where it
+    reached its target."""
     reported = 0
     while True:
         try:
@@ -121,13 +123,23 @@ def _wait_reporting_epochs(
         except subprocess.TimeoutExpired:
             code = None
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        for match in list(_EPOCH_LINE.finditer(text))[reported:]:
+        lines = sorted(
+            [*_EPOCH_LINE.finditer(text), *_STOP_LINE.finditer(text)], key=lambda m: m.start()
+        )
+        for match in lines[reported:]:
             reported += 1
+            elapsed = f"({time.monotonic() - started:.0f} s)"
+            if match.re is _STOP_LINE:
+                say(
+                    f"warm start: a sample answers {float(match.group(1)):.1%} after update "
+                    f"{match.group(2)}: target reached {elapsed}"
+                )
+                continue
             accuracy = match.group(3)
             accuracy = f", sampled accuracy {float(accuracy):.1%}" if accuracy else ""
             say(
                 f"warm start: epoch {match.group(1)}/{epochs}, loss {float(match.group(2)):.3f}"
-                f"{accuracy} ({time.monotonic() - started:.0f} s)"
+                f"{accuracy} {elapsed}"
             )
         if code is not None:
             return code
@@ -235,6 +247,7 @@ def warm_start(
             argv += [
                 "--eval-data", str(files.sft_eval),
                 "--target-accuracy", str(ws.target_accuracy),
+                "--eval-every", str(ws.eval_every),
             ]  # fmt: skip
         started = time.monotonic()
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -130,10 +130,28 @@ def test_sft_stops_at_its_target_accuracy_measured_on_held_aside_examples(
     done = sft(
         "--model", str(model_dir), "--data", str(data), "--out", str(out), "--epochs", "30",
         "--lr", "3e-3", "--eval-data", str(eval_data), "--target-accuracy", "0.05",
+        "--eval-every", "4",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert 1 <= report["epochs"] < 30 and report["eval_accuracy"] >= 0.05
+    # checked every 4 updates and at each epoch's end (6 updates of 16), and stopped at the
+    # first check that reached the target, inside an epoch or at its end
+    checks = [
+        (int(update), float(accuracy))
+        for update, accuracy in re.findall(
+            r"sft update (\d+) \(.*?\): eval accuracy ([0-9.]+)", done.stderr
+        )
+    ]
+    epoch_ends = range(6, 6 * 30 + 1, 6)
+    assert [u for u, _ in checks] == sorted(
+        {u for u in range(1, checks[-1][0] + 1) if u % 4 == 0 or u in epoch_ends}
+    )
+    assert all(a < 0.05 for _, a in checks[:-1]) and checks[-1][1] == pytest.approx(
+        report["eval_accuracy"], abs=5e-5
+    )
+    assert report["updates"] == checks[-1][0]
+    assert f"reached the target 0.0500 at update {checks[-1][0]}" in done.stderr
     # the accuracy is the model's: the written folder gives the same number under transformers
     assert report["eval_accuracy"] == pytest.approx(answer_probability(out, aside), rel=1e-3)
     assert f"eval accuracy {report['eval_accuracy']:.4f}" in done.stderr
@@ -153,6 +171,7 @@ def test_sft_target_needs_eval_data(model_dir: Path, tmp_path: Path) -> None:
     [
         (("--min-lr", "0.01", "--lr", "0.001"), "--min-lr must be between 0 and --lr"),
         (("--warmup-updates", "-1"), "--warmup-updates must be >= 0"),
+        (("--eval-every", "-1"), "--eval-every must be >= 0"),
     ],
 )
 def test_sft_schedule_out_of_range_is_one_line(
