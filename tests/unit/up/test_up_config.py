@@ -98,8 +98,8 @@ def test_status_without_a_run_says_how_to_start_one(tmp_path: Path, capsys) -> N
 
 def test_the_tiny_model_and_a_pretrained_model_get_their_own_defaults() -> None:
     tiny = UpConfig().training
-    assert (tiny.kind, tiny.lr, tiny.min_lr, tiny.warmup_steps) == ("tiny", 4e-4, 4e-5, 0)
-    assert (tiny.temperature, tiny.max_tokens, tiny.micro_batch_size) == (1.0, 24, 16)
+    assert (tiny.kind, tiny.lr, tiny.min_lr, tiny.warmup_steps) == ("tiny", 2e-4, 2e-5, 0)
+    assert (tiny.temperature, tiny.max_tokens, tiny.micro_batch_size) == (0.7, 24, 16)
     assert tiny.micro_batch_tokens is None  # its activations are small at any length
     assert tiny.eval_sampled and tiny.clip_grad == 1.0 and tiny.kl_coef == 0.0
     own = UpConfig.model_validate(
@@ -138,7 +138,7 @@ def test_set_fields_win_and_are_named_and_a_short_run_keeps_its_steps_at_lr() ->
             "train.lr 0.0004 is more than 10x the default for a pretrained model (5e-06, "
             "docs/defaults.md); leave it null or lower it",
         ),
-        ({"train": {"lr": 5e-3}}, "more than 10x the default for a tiny model (0.0004"),
+        ({"train": {"lr": 5e-3}}, "more than 10x the default for a tiny model (0.0002"),
         ({"train": {"lr": 1e-4, "min_lr": 2e-4}}, "train.min_lr (0.0002) must be <= lr (0.0001)"),
         (
             {"train": {"max_tokens": 1024}},
