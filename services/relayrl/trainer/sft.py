@@ -46,8 +46,9 @@ class SftConfig:
     seed: int = 0
     tensor_parallel: int = 1
     eval_data: Path | None = None
-    """Held-aside examples (same format): after each epoch, the expected exact-match accuracy
-    of a sample at temperature 1 on them (the mean of exp(sum of the answer's log-probs))."""
+    """Held-aside examples (same format): at each check (each epoch's end, and every
+    `eval_every` updates), the expected exact-match accuracy of a sample at temperature 1 on
+    them (the mean of exp(sum of the answer's log-probs))."""
     target_accuracy: float | None = None
     """Stop at the first check whose eval accuracy reaches this (needs eval_data)."""
     eval_every: int = 0
@@ -210,7 +211,7 @@ def run_sft(settings: SftConfig) -> dict[str, float]:
             updates += 1
             losses.append(sum(nll_sums) / float(mask.sum()))
             inside_epoch = first + settings.batch_size < len(order)  # its end checks below
-            due = held_aside and settings.eval_every and updates % settings.eval_every == 0
+            due = bool(held_aside) and settings.eval_every and updates % settings.eval_every == 0
             if due and inside_epoch and check(f"update {updates} (epoch {epoch + 1})"):
                 stop = True
                 break

@@ -103,8 +103,10 @@ def _held_aside(task: Task, sft: list[dict[str, Any]], n: int, seed: int) -> lis
     return aside[:n]
 
 
-_EPOCH_LINE = re.compile(r"sft epoch (\d+): loss ([0-9.]+)(?:, eval accuracy ([0-9.]+))?")
-_STOP_LINE = re.compile(r"sft: eval accuracy ([0-9.]+) reached the target [0-9.]+ at update (\d+)")
+_PROGRESS_LINE = re.compile(
+    r"sft epoch (?P<epoch>\d+): loss (?P<loss>[0-9.]+)(?:, eval accuracy (?P<accuracy>[0-9.]+))?"
+    r"|sft: eval accuracy (?P<reached>[0-9.]+) reached the target [0-9.]+ at update (?P<update>\d+)"
+)
 
 
 def _wait_reporting_epochs(
@@ -123,22 +125,19 @@ def _wait_reporting_epochs(
         except subprocess.TimeoutExpired:
             code = None
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        lines = sorted(
-            [*_EPOCH_LINE.finditer(text), *_STOP_LINE.finditer(text)], key=lambda m: m.start()
-        )
-        for match in lines[reported:]:
+        for match in list(_PROGRESS_LINE.finditer(text))[reported:]:
             reported += 1
             elapsed = f"({time.monotonic() - started:.0f} s)"
-            if match.re is _STOP_LINE:
+            if match["reached"]:
                 say(
-                    f"warm start: a sample answers {float(match.group(1)):.1%} after update "
-                    f"{match.group(2)}: target reached {elapsed}"
+                    f"warm start: a sample answers {float(match['reached']):.1%} after update "
+                    f"{match['update']}: target reached {elapsed}"
                 )
                 continue
-            accuracy = match.group(3)
+            accuracy = match["accuracy"]
             accuracy = f", sampled accuracy {float(accuracy):.1%}" if accuracy else ""
             say(
-                f"warm start: epoch {match.group(1)}/{epochs}, loss {float(match.group(2)):.3f}"
+                f"warm start: epoch {match['epoch']}/{epochs}, loss {float(match['loss']):.3f}"
                 f"{accuracy} {elapsed}"
             )
         if code is not None:
