@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import redis
 
 from relayrl.tq import codec
+from relayrl.tq.base import TQUnavailableError
 from relayrl.tq.errors import InvalidInputError
 from relayrl.tq.events import event_from_entry
 from relayrl.tq.model import Event
@@ -125,8 +126,7 @@ class ConsumerOperations:
                 wanted.append((entry_id, fields))
             else:
                 unwanted.append(entry_id)
-        if unwanted:
-            yield command("xack", self.stream, self.group, *unwanted)
+        yield from self._ack_unwanted(unwanted)
         return wanted
 
     def _wants_kind_to(self, fields: dict[bytes, bytes]) -> bool:
@@ -145,9 +145,23 @@ class ConsumerOperations:
         unwanted = [
             e.id for e in events if self._wants and (e.kind, e.to_status) not in self._wants
         ]
-        if unwanted:
-            yield command("xack", self.stream, self.group, *unwanted)
+        yield from self._ack_unwanted(unwanted)
         return [e for e in events if e.id not in unwanted]
+
+    def _ack_unwanted(self, ids: list[bytes] | list[str]) -> Steps[None]:
+        """Acknowledges entries this role does not act on, read together with ones it does. If
+        Redis goes away first, they stay pending (a later reclaim acknowledges them) and the
+        read still returns its wanted events: raising would leave those delivered to this
+        reader and unseen by it, pending until a reclaim, reclaim_idle_s later."""
+        if not ids:
+            return
+        try:
+            yield command("xack", self.stream, self.group, *ids)
+        except TQUnavailableError as exc:
+            logger.warning(
+                "%d unwanted events of %s stay pending in group %s until reclaimed (%s)",
+                len(ids), self.stream, self.group, exc,
+            )  # fmt: skip
 
     @operation
     def ack(self, events: Iterable[Event | str]) -> Steps[int]:

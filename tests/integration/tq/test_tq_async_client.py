@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -299,3 +300,50 @@ def test_a_redis_that_went_away_is_unavailable(
             await call(atq)
 
     run_with_async_queue(redis_server, main, socket_connect_timeout=0.5)
+
+
+def test_a_read_keeps_its_events_when_redis_stops_before_the_unwanted_ones_are_acked(
+    tmp_path: Path,
+) -> None:
+    """A read takes the trajectories with the group transitions around them, and Redis stops
+    before it has acknowledged the unwanted group transitions: the read still returns the
+    trajectories (raising would leave them delivered to this reader, unseen, pending until a
+    reclaim) and they are acknowledged once Redis is back; the group transitions stay pending
+    until a reclaim acknowledges them."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        tq = TransferQueue(server.client())
+        tq.create_partition(P)
+        tq.put_groups(P, [group("g")])
+        (claim,) = tq.claim_groups(P, max_groups=1, claimer="gw", lease_s=60).claimed
+        tq.put_trajectories(P, [put("g", i, claim.claim_id) for i in range(2)])
+        tq.close()
+
+        async def main() -> None:
+            client = server.async_client()
+            ack = client.xack
+
+            async def stop_then_ack(*args: Any, **kwargs: Any) -> Any:
+                client.xack = ack  # once
+                server.stop()
+                return await ack(*args, **kwargs)
+
+            client.xack = stop_then_ack
+            async with AsyncTransferQueue(client) as atq:
+                consumer = AsyncEventConsumer(
+                    atq, P, group="reward", reader="r", wants=FINISHED, reclaim_idle_s=0.2
+                )
+                await consumer.create_group()
+                events = await consumer.read(count=10, block_s=0.1)
+                assert sorted(e.key for e in events) == ["g_0", "g_1"]
+                server.start()
+                assert await consumer.ack(events) == 2
+                assert await consumer.pending_count() == 3  # the group's pending, running, finished
+                await asyncio.sleep(0.3)
+                assert await consumer.read(count=10, block_s=0.1) == []
+                assert await consumer.pending_count() == 0
+
+        asyncio.run(main())
+    finally:
+        server.kill()
