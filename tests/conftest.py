@@ -173,7 +173,22 @@ def shared_second_engine(
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _boot_the_shared_engine(request: pytest.FixtureRequest) -> None:
+def _session_vllm_cache(up_cache: Path) -> Iterator[None]:
+    """Every engine of the session, its workers' included, shares one vLLM cache: the one of
+    the `relayrl up` runs (relayrl_testkit.helpers.engines.vllm_cache)."""
+    from relayrl_testkit.helpers.engines import SESSION_VLLM_CACHE_ENV
+
+    before = os.environ.get(SESSION_VLLM_CACHE_ENV)
+    os.environ[SESSION_VLLM_CACHE_ENV] = str(up_cache / "vllm")
+    yield
+    if before is None:
+        os.environ.pop(SESSION_VLLM_CACHE_ENV)
+    else:
+        os.environ[SESSION_VLLM_CACHE_ENV] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _boot_the_shared_engine(request: pytest.FixtureRequest, _session_vllm_cache: None) -> None:
     """The session's engine boots from its first test on, while the tests before its first
     lessee run (that lessee waits for it). The second shared engine starts at its first lease:
     booted ahead too, it slowed the CPU-bound tests beside it by more than it saved. With

@@ -11,6 +11,7 @@ transfer it holds (`relayrl_ping`) names the reloaded file, not the initial weig
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 import urllib.request
@@ -30,17 +31,28 @@ TEST_ENGINE_SETTINGS: dict[str, Any] = {
     "max_model_len": 1024,
     "load_dirs": [Path(tempfile.gettempdir())],
 }
+SESSION_VLLM_CACHE_ENV = "RELAYRL_TEST_VLLM_CACHE"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def vllm_cache(workdir: Path) -> Path:
+    """vLLM's cache for a test engine in `workdir`: the session's when tests/conftest.py names
+    one (SESSION_VLLM_CACHE_ENV), else the engine's own. vLLM inspects a model class in a
+    subprocess unless its cache holds the answer, about 9 s of each boot here; the cache is
+    keyed by the class's source and written atomically, so engines can share it."""
+    shared = os.environ.get(SESSION_VLLM_CACHE_ENV)
+    return Path(shared) if shared else workdir / "cache"
 
 
 def spawn_engine(
     model_dir: Path, workdir: Path, *, env: dict[str, str] | None = None, **settings: Any
 ) -> EngineProcess:
     """An engine serving `model_dir` on a free loopback port, started but not yet waited for
-    (`wait_ready`); its log, config and vLLM cache in `workdir`. `env`: variables added to its
-    environment; `settings`: EngineConfig fields over TEST_ENGINE_SETTINGS."""
-    settings = {"cache_dir": workdir / "cache", **TEST_ENGINE_SETTINGS, **settings}
+    (`wait_ready`); its log and config in `workdir`, its vLLM cache where `vllm_cache` says.
+    `env`: variables added to its environment; `settings`: EngineConfig fields over
+    TEST_ENGINE_SETTINGS."""
+    settings = {"cache_dir": vllm_cache(workdir), **TEST_ENGINE_SETTINGS, **settings}
     config = EngineConfig(model=model_dir, **settings)
     return EngineProcess(config, workdir, env=env).spawn()
 
@@ -126,7 +138,7 @@ class SharedEngine:
         if self._engine is None:
             self.num_starts += 1
             workdir = self._workdir / f"engine-{self.num_starts}"
-            self._engine = spawn_engine(self._model_dir, workdir, cache_dir=self._workdir / "cache")
+            self._engine = spawn_engine(self._model_dir, workdir)
 
     def lease(self) -> EngineProcess:
         self.boot()

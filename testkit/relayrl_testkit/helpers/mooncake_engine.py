@@ -32,6 +32,7 @@ from relayrl.inference.config import EngineHttpConfig
 from relayrl.proto.weightsync.v1 import weightsync_pb2 as pb
 from relayrl.proto.weightsync.v1 import weightsync_pb2_grpc
 from relayrl.weightsync.sender import WeightSyncSender, export_tensors
+from relayrl_testkit.helpers.engines import vllm_cache
 
 BUCKET = 96 * 1024
 
@@ -51,7 +52,7 @@ def worker_rpc(engine: EngineProcess, method: str, payload: dict[str, Any]) -> l
 
 def main(model_dir: Path, workdir: Path) -> dict[str, Any]:
     config = EngineConfig(
-        model=model_dir, max_model_len=512, cache_dir=workdir / "cache", load_dirs=[workdir]
+        model=model_dir, max_model_len=512, cache_dir=vllm_cache(workdir), load_dirs=[workdir]
     )
     engine = EngineProcess(config, workdir / "engine").start()
     try:

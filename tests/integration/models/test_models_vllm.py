@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from relayrl.core.ports import free_port
 from relayrl.models import TinyModelConfig
 from relayrl.models.tiny import init_model
+from relayrl_testkit.helpers.engines import vllm_cache
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +100,7 @@ class VllmServer:
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-            "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"),
+            "VLLM_CACHE_ROOT": str(vllm_cache(self.workdir)),
             "TMPDIR": str(self.workdir / "tmp"),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",

@@ -20,7 +20,12 @@ import pytest
 from relayrl.core.records import EvalRecord, read_records
 from relayrl.proto.common.v1 import common_pb2
 from relayrl.up.audit import audit_run
-from relayrl_testkit.helpers.up import audit_queue, check_exactly_once, processes_of
+from relayrl_testkit.helpers.up import (
+    audit_queue,
+    check_exactly_once,
+    processes_of,
+    sharing_cache,
+)
 
 REPO = Path(__file__).parents[3]
 LAST_LINE = re.compile(
@@ -34,8 +39,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(1800)
 def test_every_part_killed_during_a_run_loses_nothing_and_serves_nothing_stale(
-    tmp_path: Path,
+    tmp_path: Path, up_cache: Path
 ) -> None:
+    # the bench's runs folder, with the session's cache: the model and warm start built once
+    sharing_cache(tmp_path / "fixed", up_cache)
     argv = [sys.executable, str(REPO / "bench" / "chaos_bench.py"), "--rounds", "0",
             "--steps", str(STEPS), "--keep", str(tmp_path)]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=1700, cwd=REPO)

@@ -63,10 +63,14 @@ PLAIN_AGENT_ARGS = ("--agent", f"{sys.executable} {PLAIN_AGENT}")
 # separate_async, the default, is checked the same way on the run of test_up_hosts.py, whose
 # parts are partitioned from one another while it trains
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
-def test_a_short_run_in_each_mode(runs_dir: Path, mode: str, tmp_path: Path) -> None:
+def test_a_short_run_in_each_mode(
+    runs_dir: Path, up_cache: Path, mode: str, tmp_path: Path
+) -> None:
     steps, task = SHORT_RUN["train"]["steps"], TASKS[mode]
     if mode == "sync":  # as a newcomer starts it: `make run` in the repository, runs/ relative
         repo = repository_copy(tmp_path / "repo")
+        # runs/cache is the session's: the other runs build the model and the warm start
+        sharing_cache(repo / "runs", up_cache)
         up = UpProcess.make_run(repo, SHORT_RUN, "--mode", mode)
     else:
         up = UpProcess.start(runs_dir, SHORT_RUN, "--mode", mode, "--task", task, *PLAIN_AGENT_ARGS)
