@@ -56,8 +56,9 @@ class EngineConfig(StrictModel):
     )
     cache_dir: Path | None = Field(
         None,
-        description="vLLM's cache and temporary files (VLLM_CACHE_ROOT, TMPDIR); null: "
-        "a folder `.vllm-cache` next to the model.",
+        description="vLLM's cache, torch's compiled kernels and temporary files "
+        "(VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR, TMPDIR); null: a folder `.vllm-cache` next "
+        "to the model.",
     )
     load_dirs: list[Path] = Field(
         default_factory=list,

@@ -95,6 +95,11 @@ def short_tmpdir(preferred: Path) -> Path:
 def vllm_environment(config: EngineConfig, base: Mapping[str, str] = os.environ) -> dict[str, str]:
     cache = config.cache_dir or config.model.parent / ".vllm-cache"
     env = {
+        # The kernels torch compiles on the engine's first requests (about 10 s of a C++
+        # compiler here) are kept in the cache folder, where every engine that shares it finds
+        # them: by default they would go to TMPDIR, which short_tmpdir may make a folder of its
+        # own per path. A value the caller set is kept.
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "torchinductor"),
         **base,
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, weight version
         "VLLM_CACHE_ROOT": str(cache),
