@@ -178,13 +178,9 @@ def _session_vllm_cache(up_cache: Path) -> Iterator[None]:
     the `relayrl up` runs (relayrl_testkit.helpers.engines.vllm_cache)."""
     from relayrl_testkit.helpers.engines import SESSION_VLLM_CACHE_ENV
 
-    before = os.environ.get(SESSION_VLLM_CACHE_ENV)
-    os.environ[SESSION_VLLM_CACHE_ENV] = str(up_cache / "vllm")
-    yield
-    if before is None:
-        os.environ.pop(SESSION_VLLM_CACHE_ENV)
-    else:
-        os.environ[SESSION_VLLM_CACHE_ENV] = before
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SESSION_VLLM_CACHE_ENV, str(up_cache / "vllm"))
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
