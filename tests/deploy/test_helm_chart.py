@@ -104,21 +104,23 @@ def obj_id(doc: dict[str, Any]) -> str:
 def kubernetes_validate(
     tool: Path, docs_by_label: dict[str, list[dict[str, Any]]], workdir: Path
 ) -> dict[str, list[str]]:
-    """Run `kubernetes-validate --strict` once per supported version over every non-CRD object
-    (one file per object); version -> failure lines."""
-    files = []
+    """Run `kubernetes-validate --strict` once per supported version over every distinct
+    non-CRD object (one file per object, named after its first scenario: most objects render
+    alike in several scenarios, and each is validated once); version -> failure lines."""
+    files: dict[str, str] = {}  # the object's canonical text -> its file
     for label, docs in docs_by_label.items():
         for n, doc in enumerate(docs):
-            if doc["apiVersion"] == CRD_API:
+            key = json.dumps(doc, sort_keys=True)
+            if doc["apiVersion"] == CRD_API or key in files:
                 continue
             path = workdir / f"{label}__{n:03d}__{doc['kind']}.yaml"
             path.write_text(yaml.safe_dump(doc, sort_keys=False))
-            files.append(str(path))
+            files[key] = str(path)
     assert files, "nothing to validate"
 
     def run(version: str) -> tuple[str, list[str]]:
         result = subprocess.run(
-            [str(tool), "--strict", "--no-warn", "-k", version, *files],
+            [str(tool), "--strict", "--no-warn", "-k", version, *files.values()],
             capture_output=True,
             text=True,
             timeout=300,

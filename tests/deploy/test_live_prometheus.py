@@ -144,7 +144,10 @@ def test_prometheus_scrapes_a_run_with_the_charts_monitoring_and_panels_have_dat
             if not prometheus.query(expr, at):
                 empty.append(f"{panel['dashboard']} / {panel['panel']}: {expr}")
         assert not empty, "core panel queries without data:\n" + "\n".join(empty)
-        assert up.wait(600) == 0, up.output()
+        # What Prometheus had to see, it saw: the rest of the run would only train on. It
+        # stops as a user stops it, cleanly (the e2e tests train runs to their end).
+        up.interrupt()
+        assert up.wait(300) == 130, up.output()
     finally:
         prometheus.stop()
         up.stop()
