@@ -28,7 +28,7 @@ from relayrl_testkit.helpers.up import (
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "relayrl"
 COMPONENTS = ("gateway", "reward", "trainer", "weightsync", "engine")
-STEPS = 30  # long enough to go on training while Prometheus gathers MIN_SCRAPES
+STEPS = 200  # never reached: the run trains on while Prometheus gathers, then is stopped
 RATE_WINDOW = "10s"  # $__rate_interval for a 1 s scrape interval
 MIN_SCRAPES = 5  # per component, within RATE_WINDOW, before the panels are queried
 
